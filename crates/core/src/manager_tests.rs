@@ -1,0 +1,194 @@
+//! The shell with a fake backend and a fake probe, on tokio's paused clock: leases,
+//! single-flight loads, keep-alive and shutdown through the real actor.
+
+use std::sync::{
+    atomic::{AtomicU64, AtomicUsize, Ordering},
+    Mutex,
+};
+
+use super::*;
+use crate::{
+    memory::MemorySnapshot,
+    tensor::{Tensor, TensorData},
+    units::KeepAlive,
+    InferError,
+};
+
+const MB: u64 = 1 << 20;
+
+/// Free memory that the fake backend's loads and drops move.
+struct FakeProbe {
+    free: Arc<AtomicU64>,
+}
+
+impl MemoryProbe for FakeProbe {
+    fn snapshot(&self) -> MemorySnapshot {
+        let free = self.free.load(Ordering::SeqCst);
+        MemorySnapshot { total_bytes: 1000 * MB, available_bytes: free, ..Default::default() }
+    }
+}
+
+struct FakeBackend {
+    free: Arc<AtomicU64>,
+    loads: AtomicUsize,
+    /// Loads take this long (on the blocking thread; real time, kept tiny).
+    fail: Mutex<Option<LoadError>>,
+}
+
+struct FakeModel {
+    free: Arc<AtomicU64>,
+    bytes: u64,
+    sig: ModelSignature,
+}
+
+impl Drop for FakeModel {
+    fn drop(&mut self) {
+        self.free.fetch_add(self.bytes, Ordering::SeqCst);
+    }
+}
+
+impl LoadedModel for FakeModel {
+    fn signature(&self) -> &ModelSignature {
+        &self.sig
+    }
+    fn infer(&self, inputs: Vec<Tensor>, _: &[String]) -> Result<Vec<Tensor>, InferError> {
+        Ok(inputs)
+    }
+}
+
+impl Backend for FakeBackend {
+    fn name(&self) -> &'static str {
+        "fake"
+    }
+    fn estimate(&self, _: &std::path::Path) -> crate::FootprintEstimate {
+        crate::FootprintEstimate::indeterminate("fake")
+    }
+    fn signature(&self, _: &std::path::Path) -> Result<ModelSignature, LoadError> {
+        Ok(ModelSignature::default())
+    }
+    fn load(&self, _: &LoadSpec) -> Result<Arc<dyn LoadedModel>, LoadError> {
+        self.loads.fetch_add(1, Ordering::SeqCst);
+        if let Some(e) = self.fail.lock().unwrap().clone() {
+            return Err(e);
+        }
+        let bytes = 100 * MB;
+        let free = self.free.load(Ordering::SeqCst);
+        if free < bytes {
+            return Err(LoadError::OutOfMemory("fake: not enough".into()));
+        }
+        self.free.fetch_sub(bytes, Ordering::SeqCst);
+        Ok(Arc::new(FakeModel { free: self.free.clone(), bytes, sig: ModelSignature::default() }))
+    }
+}
+
+fn setup(names: &[&str], keep_alive: KeepAlive) -> (ModelManager, Arc<FakeBackend>, Arc<AtomicU64>) {
+    let free = Arc::new(AtomicU64::new(250 * MB));
+    let backend =
+        Arc::new(FakeBackend { free: free.clone(), loads: AtomicUsize::new(0), fail: Mutex::new(None) });
+    let models = names
+        .iter()
+        .map(|n| {
+            let mut policy = ModelPolicy::new(*n);
+            policy.estimate_steady = Some(100 * MB);
+            policy.estimate_peak = Some(100 * MB);
+            policy.keep_alive = keep_alive;
+            policy.min_residency = Duration::ZERO;
+            ModelEntry {
+                policy,
+                backend: backend.clone() as Arc<dyn Backend>,
+                path: PathBuf::from("/nowhere"),
+                signature: ModelSignature::default(),
+                preload: false,
+                learned_bytes: None,
+            }
+        })
+        .collect();
+    let manager = ModelManager::start(ManagerConfig {
+        scheduler: SchedulerConfig {
+            budgets: [(Device::Cpu, 1000 * MB)].into(),
+            ..SchedulerConfig::default()
+        },
+        models,
+        acquire_timeout: Duration::from_secs(30),
+        intra_op_threads: 1,
+        probe: Arc::new(FakeProbe { free: free.clone() }),
+    });
+    (manager, backend, free)
+}
+
+async fn state(m: &ModelManager, name: &str) -> crate::lifecycle::StateName {
+    m.status().await.into_iter().find(|s| s.name == name).expect("model").state
+}
+
+#[tokio::test]
+async fn concurrent_first_requests_share_one_load_and_leases_release() {
+    let (m, backend, _) = setup(&["a"], KeepAlive::Forever);
+    let (l1, l2, l3) = tokio::join!(m.acquire("a"), m.acquire("a"), m.acquire("a"));
+    let (l1, l2, l3) = (l1.unwrap(), l2.unwrap(), l3.unwrap());
+    assert_eq!(backend.loads.load(Ordering::SeqCst), 1);
+    let out = l1.model().infer(vec![Tensor::new("x", vec![1], TensorData::Fp32(vec![1.0]))], &[]).unwrap();
+    assert_eq!(out.len(), 1);
+    assert_eq!(m.status().await[0].leases, 3);
+    drop((l1, l2, l3));
+    assert_eq!(m.status().await[0].leases, 0);
+}
+
+#[tokio::test]
+async fn unknown_model_is_not_found() {
+    let (m, _, _) = setup(&["a"], KeepAlive::Forever);
+    assert_eq!(m.acquire("zzz").await.err().unwrap().kind, ErrorKind::ModelNotFound);
+}
+
+#[tokio::test(start_paused = true)]
+async fn idle_models_unload_when_keep_alive_runs_out() {
+    let (m, _, free) = setup(&["a"], KeepAlive::For(Duration::from_secs(60)));
+    drop(m.acquire("a").await.unwrap());
+    assert_eq!(free.load(Ordering::SeqCst), 150 * MB);
+    tokio::time::sleep(Duration::from_secs(59)).await;
+    assert_eq!(state(&m, "a").await, crate::lifecycle::StateName::Ready);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The unload runs on a blocking thread: wait for it without racing the clock.
+    while state(&m, "a").await != crate::lifecycle::StateName::Unloaded {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(free.load(Ordering::SeqCst), 250 * MB, "the model's memory came back");
+}
+
+#[tokio::test]
+async fn probe_oom_evicts_and_retries_through_the_actor() {
+    // The budget allows three, but the fake machine has room for two: the third load
+    // reports a verified OOM, the shell evicts the LRU and the retry fits.
+    let (m, backend, _) = setup(&["a", "b", "c"], KeepAlive::Forever);
+    drop(m.acquire("a").await.unwrap());
+    drop(m.acquire("b").await.unwrap());
+    let c = m.acquire("c").await;
+    assert!(c.is_ok(), "{:?}", c.err());
+    let st = m.status().await;
+    assert_eq!(st[0].evictions, 1, "a, the LRU, made room");
+    assert!(backend.loads.load(Ordering::SeqCst) >= 3);
+}
+
+#[tokio::test]
+async fn failed_load_is_reported_and_backs_off() {
+    let (m, backend, _) = setup(&["a"], KeepAlive::Forever);
+    *backend.fail.lock().unwrap() = Some(LoadError::Failed("corrupt file".into()));
+    let e = m.acquire("a").await.err().unwrap();
+    assert_eq!(e.kind, ErrorKind::ModelFailed);
+    assert!(e.message.contains("corrupt file"));
+    let e = m.acquire("a").await.err().unwrap();
+    assert!(e.retry_after.is_some(), "second try inside the backoff is refused at once");
+    assert_eq!(backend.loads.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn shutdown_waits_for_leases_then_unloads() {
+    let (m, _, free) = setup(&["a"], KeepAlive::Forever);
+    let lease = m.acquire("a").await.unwrap();
+    let m2 = m.clone();
+    let done = tokio::spawn(async move { m2.shutdown(Duration::from_secs(30)).await });
+    tokio::task::yield_now().await;
+    assert_eq!(m.acquire("a").await.err().unwrap().kind, ErrorKind::ShuttingDown);
+    drop(lease);
+    assert!(done.await.unwrap(), "drained before the timeout");
+    assert_eq!(free.load(Ordering::SeqCst), 250 * MB);
+}

@@ -1,0 +1,223 @@
+//! Reading how much memory exists, is used and is free — and giving it back.
+//!
+//! The host probe reads Linux directly: `/proc/meminfo` (MemAvailable), the memory
+//! cgroup of this process (v2 `memory.max` / `memory.current`, v1
+//! `memory.limit_in_bytes` / `memory.usage_in_bytes`, both minus `inactive_file`,
+//! which the kernel reclaims before it OOM-kills) and the process RSS.
+
+use std::{fs, path::PathBuf};
+
+/// One reading of a device's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct MemorySnapshot {
+    /// What the process may use in all: the cgroup limit, else the machine's RAM.
+    pub total_bytes: u64,
+    /// What can still be allocated before the limit (or before the machine runs out).
+    pub available_bytes: u64,
+    /// Resident set of this process.
+    pub process_bytes: u64,
+    /// Where `total_bytes` came from.
+    pub source: LimitSource,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LimitSource {
+    #[default]
+    Machine,
+    CgroupV1,
+    CgroupV2,
+}
+
+/// Anything that can say how much memory there is.
+pub trait MemoryProbe: Send + Sync {
+    fn snapshot(&self) -> MemorySnapshot;
+}
+
+/// The Linux host probe.
+#[derive(Debug, Clone)]
+pub struct HostProbe {
+    cgroup: Option<Cgroup>,
+}
+
+#[derive(Debug, Clone)]
+enum Cgroup {
+    V1(PathBuf),
+    V2(PathBuf),
+}
+
+impl Default for HostProbe {
+    fn default() -> Self {
+        HostProbe::new()
+    }
+}
+
+impl HostProbe {
+    /// Finds this process's memory cgroup (v2 first, then v1).
+    pub fn new() -> HostProbe {
+        HostProbe { cgroup: find_cgroup("/proc/self/cgroup", "/sys/fs/cgroup") }
+    }
+
+    fn cgroup_reading(&self) -> Option<(u64, u64, LimitSource)> {
+        let (limit, usage, stat, source) = match self.cgroup.as_ref()? {
+            Cgroup::V2(dir) => (
+                read_trim(dir.join("memory.max"))?,
+                read_trim(dir.join("memory.current"))?,
+                fs::read_to_string(dir.join("memory.stat")).ok(),
+                LimitSource::CgroupV2,
+            ),
+            Cgroup::V1(dir) => (
+                read_trim(dir.join("memory.limit_in_bytes"))?,
+                read_trim(dir.join("memory.usage_in_bytes"))?,
+                fs::read_to_string(dir.join("memory.stat")).ok(),
+                LimitSource::CgroupV1,
+            ),
+        };
+        // "max" (v2) or a huge number (v1: PAGE_COUNTER_MAX) means no limit.
+        let limit: u64 = limit.parse().ok()?;
+        if limit >= 1 << 60 {
+            return None;
+        }
+        let usage: u64 = usage.parse().ok()?;
+        let inactive_file = stat.as_deref().and_then(|s| stat_field(s, "inactive_file")).unwrap_or(0);
+        Some((limit, usage.saturating_sub(inactive_file), source))
+    }
+}
+
+impl MemoryProbe for HostProbe {
+    fn snapshot(&self) -> MemorySnapshot {
+        let meminfo = fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let mem_total = meminfo_kib(&meminfo, "MemTotal").unwrap_or(0) * 1024;
+        let mem_available = meminfo_kib(&meminfo, "MemAvailable").unwrap_or(0) * 1024;
+        let process_bytes = process_rss_bytes();
+        match self.cgroup_reading() {
+            Some((limit, usage, source)) if limit < mem_total || mem_total == 0 => MemorySnapshot {
+                total_bytes: limit,
+                available_bytes: limit.saturating_sub(usage).min(mem_available.max(1)),
+                process_bytes,
+                source,
+            },
+            _ => MemorySnapshot {
+                total_bytes: mem_total,
+                available_bytes: mem_available,
+                process_bytes,
+                source: LimitSource::Machine,
+            },
+        }
+    }
+}
+
+fn read_trim(path: PathBuf) -> Option<String> {
+    fs::read_to_string(path).ok().map(|s| s.trim().to_string())
+}
+
+fn find_cgroup(proc_cgroup: &str, root: &str) -> Option<Cgroup> {
+    let text = fs::read_to_string(proc_cgroup).ok()?;
+    parse_proc_cgroup(&text, root)
+}
+
+/// Picks the memory cgroup directory out of `/proc/self/cgroup`.
+fn parse_proc_cgroup(text: &str, root: &str) -> Option<Cgroup> {
+    let mut v2 = None;
+    for line in text.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let rel = path.trim_start_matches('/');
+        if controllers.split(',').any(|c| c == "memory") {
+            let dir = PathBuf::from(root).join("memory").join(rel);
+            if dir.join("memory.limit_in_bytes").exists() {
+                return Some(Cgroup::V1(dir));
+            }
+        } else if controllers.is_empty() {
+            let dir = PathBuf::from(root).join(rel);
+            if dir.join("memory.max").exists() {
+                v2 = Some(Cgroup::V2(dir));
+            }
+        }
+    }
+    v2
+}
+
+fn meminfo_kib(text: &str, key: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+}
+
+fn stat_field(text: &str, key: &str) -> Option<u64> {
+    text.lines().find_map(|l| {
+        let mut it = l.split_whitespace();
+        (it.next()? == key).then(|| it.next()?.parse().ok())?
+    })
+}
+
+/// Resident set size of this process, from `/proc/self/statm`.
+pub fn process_rss_bytes() -> u64 {
+    let statm = fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: u64 = statm.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    pages * u64::try_from(page).unwrap_or(4096)
+}
+
+/// Resets the process's high-water mark (VmHWM) so a load's peak can be read after it.
+pub fn reset_peak_rss() {
+    // "5" resets the peak RSS (Linux >= 4.0); where that is not allowed, the peak
+    // reading below is simply the lifetime peak and is discarded as not measured.
+    let _ = fs::write("/proc/self/clear_refs", "5");
+}
+
+/// The process's peak RSS since the last [`reset_peak_rss`], from `/proc/self/status`.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = fs::read_to_string("/proc/self/status").ok()?;
+    meminfo_kib(&status, "VmHWM").map(|k| k * 1024)
+}
+
+/// Returns freed heap to the OS. glibc keeps freed arenas otherwise, so an unloaded
+/// model would still count against the cgroup and RSS.
+pub fn trim_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only walks glibc's own arenas.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn meminfo_and_stat_fields_parse() {
+        let meminfo = "MemTotal:       24000000 kB\nMemFree: 1 kB\nMemAvailable:   20000000 kB\n";
+        assert_eq!(meminfo_kib(meminfo, "MemTotal"), Some(24_000_000));
+        assert_eq!(meminfo_kib(meminfo, "MemAvailable"), Some(20_000_000));
+        assert_eq!(meminfo_kib(meminfo, "Missing"), None);
+        let stat = "cache 10\ninactive_file 4096\nactive_file 1\n";
+        assert_eq!(stat_field(stat, "inactive_file"), Some(4096));
+        assert_eq!(stat_field(stat, "total_inactive_file"), None);
+    }
+
+    #[test]
+    fn finds_v1_and_v2_cgroups() {
+        let root = std::env::temp_dir().join(format!("snooze-cg-{}", std::process::id()));
+        let v1 = root.join("memory/a/b");
+        fs::create_dir_all(&v1).unwrap();
+        fs::write(v1.join("memory.limit_in_bytes"), "1000\n").unwrap();
+        let v2 = root.join("x/y");
+        fs::create_dir_all(&v2).unwrap();
+        fs::write(v2.join("memory.max"), "max\n").unwrap();
+        let r = root.to_str().unwrap();
+        assert!(matches!(parse_proc_cgroup("4:memory:/a/b\n0::/x/y\n", r), Some(Cgroup::V1(p)) if p == v1));
+        assert!(matches!(parse_proc_cgroup("0::/x/y\n", r), Some(Cgroup::V2(p)) if p == v2));
+        assert!(parse_proc_cgroup("0::/nope\n", r).is_none());
+        fs::remove_dir_all(root).unwrap();
+    }
+
+    #[test]
+    fn host_probe_reads_this_machine() {
+        let s = HostProbe::new().snapshot();
+        assert!(s.total_bytes > 0 && s.available_bytes <= s.total_bytes);
+        assert!(s.process_bytes > 0);
+    }
+}
