@@ -1,0 +1,98 @@
+//! The admin view: what every model is doing and what memory the server holds.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::{extract::State, response::Response, routing::get, Router};
+use serde_json::json;
+use snooze_core::{lifecycle::ModelStatus, memory::process_rss_bytes};
+
+use super::{ok_json, AppState};
+
+pub fn routes() -> Router<AppState> {
+    Router::new().route("/admin/models", get(models))
+}
+
+async fn models(State(state): State<AppState>) -> Response {
+    let now = SystemTime::now();
+    let status = state.manager.status().await;
+    let models: Vec<_> = status
+        .iter()
+        .map(|s| {
+            let backend = state.manager.info(&s.name).map(|i| i.backend).unwrap_or("?");
+            model_json(s, backend, now)
+        })
+        .collect();
+    let mem = &state.memory;
+    ok_json(json!({
+        "models": models,
+        "memory": {
+            "budget_bytes": mem.budget_bytes,
+            "baseline_bytes": mem.baseline_bytes,
+            "headroom_bytes": state.settings.headroom,
+            "limit_source": mem.limit_source,
+            "process_rss_bytes": process_rss_bytes(),
+        },
+    }))
+}
+
+fn model_json(s: &ModelStatus, backend: &str, now: SystemTime) -> serde_json::Value {
+    let before = |d: Option<Duration>| d.and_then(|d| now.checked_sub(d)).map(rfc3339);
+    let after = |d: Option<Duration>| d.map(|d| rfc3339(now + d));
+    json!({
+        "name": s.name,
+        "backend": backend,
+        "state": s.state,
+        "device": s.device,
+        "pinned": s.pinned,
+        "footprint_estimated_bytes": s.footprint_estimated_bytes,
+        "footprint_measured_bytes": s.footprint_measured_bytes,
+        "footprint_peak_estimated_bytes": s.footprint_peak_estimated_bytes,
+        "footprint_peak_measured_bytes": s.footprint_peak_measured_bytes,
+        "leases": s.leases,
+        "last_used": before(s.last_used_ago),
+        "loaded_at": before(s.loaded_ago),
+        "unload_at": after(s.unload_in),
+        "loads": s.loads,
+        "evictions": s.evictions,
+        "last_load_ms": s.last_load.map(|d| d.as_millis() as u64),
+        "last_error": s.last_error,
+    })
+}
+
+/// `2026-11-29T11:12:13.456Z` (UTC, millisecond precision).
+pub fn rfc3339(t: SystemTime) -> String {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let secs = d.as_secs();
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil-from-days (Howard Hinnant's algorithm), days since 1970-01-01.
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        d.subsec_millis()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_formats_utc() {
+        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
+        let t = UNIX_EPOCH + Duration::from_millis(1_795_950_733_456);
+        assert_eq!(rfc3339(t), "2026-11-29T11:12:13.456Z");
+        let leap = UNIX_EPOCH + Duration::from_secs(951_782_400); // 2000-02-29
+        assert_eq!(rfc3339(leap), "2000-02-29T00:00:00.000Z");
+    }
+}

@@ -1,0 +1,166 @@
+//! The SnoozeML server: configuration (file + env + flags), the HTTP transports
+//! (KServe v2 REST, OpenAI embeddings, admin) and the glue that builds a
+//! [`ModelManager`] from a [`Config`]. The `snooze` binary is a thin CLI over this.
+
+pub mod config;
+pub mod http;
+
+use std::{future::Future, sync::Arc, time::Duration};
+
+use anyhow::Context;
+use snooze_backend_candle::CandleBackend;
+use snooze_backend_ort::OrtBackend;
+use snooze_core::{
+    lifecycle::SchedulerConfig,
+    memory::{LimitSource, MemoryProbe},
+    units::format_bytes,
+    Backend, Device, HostProbe, ManagerConfig, ModelEntry, ModelManager, ModelPolicy,
+};
+
+use crate::config::{Backend as BackendKind, Config, MemoryLimit};
+pub use http::{router, AppState};
+
+/// The memory picture fixed at start.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ServerMemory {
+    pub budget_bytes: u64,
+    pub baseline_bytes: u64,
+    pub limit_source: LimitSource,
+}
+
+/// The backends a config needs, created once. ONNX Runtime is only required when an
+/// ONNX model is configured, so a candle-only server runs without the library.
+pub struct Backends {
+    pub onnx: Option<Arc<dyn Backend>>,
+    pub candle: Arc<dyn Backend>,
+}
+
+impl Backends {
+    pub fn for_config(config: &Config) -> anyhow::Result<Backends> {
+        let onnx = if config.models.iter().any(|m| m.backend == BackendKind::Onnx) {
+            Some(Arc::new(OrtBackend::new(None).map_err(anyhow::Error::msg)?) as Arc<dyn Backend>)
+        } else {
+            None
+        };
+        Ok(Backends { onnx, candle: Arc::new(CandleBackend::new()) })
+    }
+
+    pub fn get(&self, kind: BackendKind) -> anyhow::Result<Arc<dyn Backend>> {
+        match kind {
+            BackendKind::Onnx => self.onnx.clone().context("ONNX Runtime is not initialised"),
+            BackendKind::Candle => Ok(self.candle.clone()),
+        }
+    }
+}
+
+/// Builds the model manager and the HTTP state from a validated config. Must run
+/// inside a tokio runtime.
+pub fn build(config: &Config) -> anyhow::Result<AppState> {
+    let backends = Backends::for_config(config)?;
+    let probe = Arc::new(HostProbe::new());
+    let snap = probe.snapshot();
+    let s = &config.server;
+    let budget = match s.host_memory_limit {
+        MemoryLimit::Auto => snap.total_bytes.saturating_sub(s.headroom),
+        MemoryLimit::Size(size) => size.resolve(snap.total_bytes).min(snap.total_bytes),
+    };
+    // Measured after the backends are initialised: the runtime libraries are part of
+    // what the server holds before any model.
+    let baseline = snooze_core::memory::process_rss_bytes();
+    if budget <= baseline + s.headroom {
+        anyhow::bail!(
+            "host_memory_limit leaves no room for models: budget {} <= server baseline {} + headroom {}",
+            format_bytes(budget),
+            format_bytes(baseline),
+            format_bytes(s.headroom)
+        );
+    }
+    let mut models = Vec::new();
+    for m in &config.models {
+        let backend = backends.get(m.backend)?;
+        let estimate = backend.estimate(&m.path);
+        if estimate.steady_bytes.is_none() && m.memory.is_none() {
+            tracing::warn!(model = %m.name, reason = %estimate.derivation, "footprint indeterminate: this model loads without the memory guard");
+        }
+        let signature = backend.signature(&m.path).map_err(|e| e.to_string());
+        if let Err(e) = &signature {
+            tracing::warn!(model = %m.name, error = %e, "cannot read the model's signature; its loads will fail");
+        }
+        let policy = ModelPolicy {
+            name: m.name.clone(),
+            devices: m.devices.clone(),
+            cpu_fallback: m.cpu_fallback,
+            memory: m.memory,
+            estimate_steady: estimate.steady_bytes,
+            estimate_peak: estimate.peak_bytes,
+            keep_alive: m.keep_alive,
+            min_residency: m.min_residency,
+            pinned: m.pinned,
+        };
+        models.push(ModelEntry {
+            policy,
+            backend,
+            path: m.path.clone(),
+            signature,
+            preload: m.preload,
+            learned_bytes: None,
+        });
+    }
+    let scheduler = SchedulerConfig {
+        budgets: [(Device::Cpu, budget)].into(),
+        baselines: [(Device::Cpu, baseline)].into(),
+        headroom: s.headroom,
+        max_loaded_models: s.max_loaded_models,
+        retry_after: s.retry_after,
+        backoff_base: Duration::from_secs(1),
+        backoff_max: Duration::from_secs(60),
+    };
+    tracing::info!(
+        budget_bytes = budget,
+        baseline_bytes = baseline,
+        headroom_bytes = s.headroom,
+        limit_source = ?snap.source,
+        models = models.len(),
+        "memory budget {} ({:?} total {}, headroom {}), server baseline {}",
+        format_bytes(budget),
+        snap.source,
+        format_bytes(snap.total_bytes),
+        format_bytes(s.headroom),
+        format_bytes(baseline)
+    );
+    let manager = ModelManager::start(ManagerConfig {
+        scheduler,
+        models,
+        acquire_timeout: s.acquire_timeout,
+        intra_op_threads: s.intra_op_threads,
+        probe,
+    });
+    let memory = ServerMemory { budget_bytes: budget, baseline_bytes: baseline, limit_source: snap.source };
+    Ok(AppState::new(manager, s.clone(), memory))
+}
+
+/// Serves until `shutdown` resolves, then stops admitting (503 + Retry-After), lets
+/// in-flight requests finish within `shutdown_timeout`, unloads every model and returns.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let limit = usize::try_from(state.settings.max_request_size).unwrap_or(usize::MAX);
+    let app = router(state.clone()).layer(axum::extract::DefaultBodyLimit::max(limit));
+    let drain = state.clone();
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            tracing::info!("shutting down: refusing new work, waiting for requests in flight");
+            drain.begin_shutdown();
+            let timeout = drain.settings.shutdown_timeout;
+            if drain.manager.shutdown(timeout).await {
+                tracing::info!("all models unloaded");
+            } else {
+                tracing::warn!(timeout_s = timeout.as_secs_f64(), "requests still running at shutdown_timeout; exiting anyway");
+            }
+        })
+        .await
+        .context("the HTTP server failed")
+}
