@@ -34,8 +34,9 @@ pub struct ModelEntry {
     pub policy: ModelPolicy,
     pub backend: Arc<dyn Backend>,
     pub path: PathBuf,
-    /// Read from the files at start, so metadata never needs a load.
-    pub signature: ModelSignature,
+    /// Read from the files at start, so metadata never needs a load; `Err` when the
+    /// files could not be read (the load will then fail with the same reason).
+    pub signature: Result<ModelSignature, String>,
     pub preload: bool,
     /// Measured on an earlier run.
     pub learned_bytes: Option<u64>,
@@ -56,7 +57,7 @@ pub struct ModelInfo {
     pub name: String,
     pub backend: &'static str,
     pub path: PathBuf,
-    pub signature: ModelSignature,
+    pub signature: Result<ModelSignature, String>,
 }
 
 enum Command {
@@ -141,6 +142,7 @@ impl ModelManager {
         let retry_after = scheduler.config().retry_after;
         let mut infos = Vec::new();
         let mut backends = Vec::new();
+        let mut broken = Vec::new();
         let mut preload = Vec::new();
         for entry in config.models {
             let id = scheduler.register(entry.policy.clone());
@@ -156,6 +158,7 @@ impl ModelManager {
                 path: entry.path.clone(),
                 signature: entry.signature,
             });
+            broken.push(infos.last().and_then(|i| i.signature.as_ref().err().cloned()));
             backends.push((entry.backend, entry.path));
         }
         let names = infos.iter().enumerate().map(|(i, m)| (m.name.clone(), i)).collect();
@@ -164,6 +167,7 @@ impl ModelManager {
         let actor = Actor {
             scheduler,
             backends,
+            broken,
             loaded: HashMap::new(),
             replies: HashMap::new(),
             next_req: 1,
@@ -286,6 +290,8 @@ impl ModelManager {
 struct Actor {
     scheduler: Scheduler,
     backends: Vec<(Arc<dyn Backend>, PathBuf)>,
+    /// Why a model's files could not be read at start (or at its last request).
+    broken: Vec<Option<String>>,
     loaded: HashMap<ModelId, Arc<dyn LoadedModel>>,
     replies: HashMap<RequestId, Reply>,
     next_req: RequestId,
@@ -341,9 +347,33 @@ impl Actor {
             .handle(now(), Event::MemoryAvailable { device: Device::Cpu, bytes: snap.available_bytes });
     }
 
+    /// A model whose files were unreadable fails fast — before anything is evicted for
+    /// it — for as long as they stay unreadable (re-read on each request: cheap, since
+    /// only the header is parsed, and a fixed file is picked up without a restart).
+    fn still_broken(&mut self, model: ModelId) -> Option<SnoozeError> {
+        self.broken[model].as_ref()?;
+        let (backend, path) = &self.backends[model];
+        match backend.signature(path) {
+            Ok(_) => {
+                self.broken[model] = None;
+                None
+            }
+            Err(e) => {
+                let name = &self.scheduler.slot(model).policy.name;
+                tracing::warn!(model = %name, error = %e, "refused: the model's files cannot be read");
+                self.broken[model] = Some(e.to_string());
+                Some(SnoozeError::new(ErrorKind::ModelFailed, format!("model '{name}' cannot be loaded: {e}")))
+            }
+        }
+    }
+
     fn command(&mut self, cmd: Command) -> Vec<Action> {
         let event = match cmd {
             Command::Acquire { req, model, reply } => {
+                if let Some(e) = self.still_broken(model) {
+                    let _ = reply.send(Err(e));
+                    return Vec::new();
+                }
                 if self.scheduler.slot(model).idle().is_none() && self.scheduler.slot(model).leases() == 0 {
                     self.refresh_probe();
                 }
@@ -351,6 +381,10 @@ impl Actor {
                 Event::Acquire { req, model }
             }
             Command::Load { model, reply } => {
+                if let Some(e) = self.still_broken(model) {
+                    let _ = reply.send(Err(e));
+                    return Vec::new();
+                }
                 self.refresh_probe();
                 let req = self.register(Reply::Unit(reply));
                 Event::Load { req, model }

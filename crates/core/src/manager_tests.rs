@@ -97,7 +97,7 @@ fn setup(names: &[&str], keep_alive: KeepAlive) -> (ModelManager, Arc<FakeBacken
                 policy,
                 backend: backend.clone() as Arc<dyn Backend>,
                 path: PathBuf::from("/nowhere"),
-                signature: ModelSignature::default(),
+                signature: Ok(ModelSignature::default()),
                 preload: false,
                 learned_bytes: None,
             }

@@ -1,0 +1,255 @@
+//! The real binary, real ONNX Runtime, real 100 MB models, real sockets: a budget
+//! that holds two of six models, a scripted request sequence, and the exact loads and
+//! LRU evictions it must cause — plus the refusals that must evict nobody.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+
+/// Six 100 MB models with `memory = "100MiB"` (so the accounting is exact), a budget
+/// of 300 MiB (the server's own ~30-60 MB baseline leaves room for two), a model
+/// bigger than the budget, and a corrupt one.
+fn config() -> String {
+    let dir = models_dir();
+    let mut c = String::from(
+        "[server]\nhost_memory_limit = \"300MiB\"\nheadroom = \"0\"\nkeep_alive = \"-1\"\nmin_residency = \"0s\"\n",
+    );
+    for i in 1..=6 {
+        c += &format!("[models.m{i}]\npath = \"{}/mlp-100m-{i}\"\nmemory = \"100MiB\"\n", dir.display());
+    }
+    c += &format!("[models.big]\npath = \"{}/mlp-400m\"\n", dir.display());
+    c += &format!("[models.broken]\npath = \"{}/test/corrupt/model.onnx\"\nmemory = \"100MiB\"\n", dir.display());
+    c
+}
+
+fn ready_models(s: &Server) -> Vec<String> {
+    let (_, v) = s.get("/admin/models");
+    let mut names: Vec<String> = v["models"]
+        .as_array()
+        .expect("models")
+        .iter()
+        .filter(|m| m["state"] == "ready")
+        .map(|m| m["name"].as_str().expect("name").to_string())
+        .collect();
+    names.sort();
+    names
+}
+
+fn counts(s: &Server, field: &str) -> Vec<(String, u64)> {
+    let (_, v) = s.get("/admin/models");
+    v["models"]
+        .as_array()
+        .expect("models")
+        .iter()
+        .map(|m| (m["name"].as_str().expect("name").to_string(), m[field].as_u64().expect("count")))
+        .filter(|(_, n)| *n > 0)
+        .collect()
+}
+
+/// Infers on `model` (an alias of `mlp-100m-N`) and checks the output against numpy.
+fn call(s: &Server, model: &str) {
+    let n = model.trim_start_matches('m');
+    let r = reference(&format!("mlp-100m-{n}"));
+    let (status, body, _) = s.post(&format!("/v2/models/{model}/infer"), &infer_body(&r));
+    assert_eq!(status, 200, "{model}: {body}");
+    assert_eq!(body["model_name"], model);
+    let out = &body["outputs"][0];
+    assert_eq!((out["name"].as_str(), out["datatype"].as_str()), (Some("y"), Some("FP32")));
+    assert_eq!(out["shape"], json!(r.shape));
+    let diff = max_abs_diff(&floats(&out["data"]), &r.output);
+    assert!(diff <= 1e-4, "{model}: output differs from numpy by {diff}");
+}
+
+#[test]
+fn lru_evictions_refusals_and_memory_given_back() {
+    let s = Server::start("lru", &config(), &[]);
+    let rss_before = s.rss();
+
+    // (request, models resident after it): budget for two, LRU evicted.
+    let script: &[(&str, &[&str])] = &[
+        ("m1", &["m1"]),
+        ("m2", &["m1", "m2"]),
+        ("m1", &["m1", "m2"]),
+        ("m3", &["m1", "m3"]), // m2 is the LRU
+        ("m4", &["m3", "m4"]), // m1 is now the LRU
+        ("m3", &["m3", "m4"]),
+        ("m5", &["m3", "m5"]),
+        ("m6", &["m5", "m6"]),
+    ];
+    for (model, resident) in script {
+        call(&s, model);
+        s.wait_for("evictions to settle", |s| ready_models(s) == *resident);
+    }
+    let loads = counts(&s, "loads");
+    let want: Vec<(String, u64)> = (1..=6).map(|i| (format!("m{i}"), 1)).collect();
+    assert_eq!(loads, want, "each model loaded exactly once");
+    let mut evictions = counts(&s, "evictions");
+    evictions.sort();
+    assert_eq!(evictions, [("m1".into(), 1), ("m2".into(), 1), ("m3".into(), 1), ("m4".into(), 1)]);
+    let m5 = s.model("m5");
+    assert!(m5["footprint_measured_bytes"].as_u64().unwrap_or(0) > 50 << 20, "footprint measured: {m5}");
+    assert!(m5["last_load_ms"].as_u64().is_some() && m5["last_used"].is_string(), "{m5}");
+    assert_eq!(m5["unload_at"], Value::Null, "keep_alive = -1");
+
+    // Larger than the whole budget: 503 + Retry-After, nobody evicted.
+    let big = reference("mlp-400m");
+    let (status, body, retry) = s.post("/v2/models/big/infer", &infer_body(&big));
+    assert_eq!(status, 503, "{body}");
+    assert!(retry.as_ref().is_some_and(|r| r.parse::<u64>().is_ok_and(|n| n >= 1)), "Retry-After: {retry:?}");
+    let msg = body["error"].as_str().expect("error text");
+    assert!(msg.contains("needs") && msg.contains("budget"), "{msg}");
+    assert_eq!(ready_models(&s), ["m5", "m6"]);
+
+    // Corrupt file: fails fast with a clear error, evicts nobody — although making room
+    // for its 100 MiB would have needed an eviction.
+    let (status, body, _) = s.post("/v2/models/broken/infer", &infer_body(&reference("mlp-100m-1")));
+    assert_eq!(status, 500, "{body}");
+    let msg = body["error"].as_str().expect("error text");
+    assert!(msg.contains("broken") && msg.contains("corrupt"), "{msg}");
+    assert_eq!(ready_models(&s), ["m5", "m6"]);
+    assert_eq!(counts(&s, "evictions").len(), 4);
+    let (status, _) = s.get("/v2/models/broken");
+    assert_eq!(status, 500, "metadata of an unreadable model is an error");
+
+    // Unknown model, wrong shape, wrong datatype, unknown input / output.
+    let (status, body, _) = s.post("/v2/models/nope/infer", &infer_body(&reference("mlp-100m-1")));
+    assert_eq!((status, body["code"].as_str()), (404, Some("model_not_found")));
+    let bad_shape = json!({"inputs": [{"name": "x", "shape": [2, 128], "datatype": "FP32", "data": vec![0.0; 256]}]});
+    let (status, body, _) = s.post("/v2/models/m5/infer", &bad_shape);
+    assert_eq!(status, 400);
+    assert!(body["error"].as_str().expect("error").contains("'x'"), "{body}");
+    let bad_type = json!({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "INT32", "data": vec![0; 256]}]});
+    let (status, body, _) = s.post("/v2/models/m5/infer", &bad_type);
+    assert!(status == 400 && body["error"].as_str().expect("error").contains("FP32"), "{body}");
+    let bad_output = json!({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32", "data": vec![0.0; 256]}],
+        "outputs": [{"name": "z"}]});
+    let (status, body, _) = s.post("/v2/models/m5/infer", &bad_output);
+    assert!(status == 400 && body["error"].as_str().expect("error").contains("'z'"), "{body}");
+    let (status, _, _) = s.post("/v2/models/m5/infer", &json!({"inputs": "nope"}));
+    assert_eq!(status, 400);
+
+    // Unload everything through the repository API: memory comes back.
+    for m in ["m5", "m6"] {
+        let (status, body, _) = s.post(&format!("/v2/repository/models/{m}/unload"), &json!({}));
+        assert_eq!(status, 200, "{body}");
+    }
+    assert!(ready_models(&s).is_empty());
+    let rss_after = s.rss();
+    let allowed = (rss_before / 10).max(30 << 20);
+    eprintln!("RSS before the first load {} MiB, after unloading everything {} MiB", rss_before >> 20, rss_after >> 20);
+    assert!(
+        rss_after <= rss_before + allowed,
+        "RSS {} MiB after unloading, {} MiB before the first load",
+        rss_after >> 20,
+        rss_before >> 20
+    );
+
+    // Logs: one line per load and per eviction, with model, bytes, reason and duration.
+    let evicted = s.log_lines("Evicted");
+    assert_eq!(evicted.len(), 4, "{evicted:?}");
+    for line in &evicted {
+        let v: Value = serde_json::from_str(line).expect("json log line");
+        assert!(v["model"].is_string() && v["bytes"].is_u64() && v["duration_ms"].is_u64(), "{line}");
+    }
+    assert_eq!(s.log_lines("\"model loaded").len(), 6);
+    assert!(!s.log_lines("request refused").is_empty(), "the 503 is logged");
+    let status = s.terminate();
+    assert!(status.success(), "exit status {status:?}");
+}
+
+#[test]
+fn repository_api_and_metadata() {
+    let s = Server::start("repo", &config(), &[]);
+    // An empty body must be accepted, as must {"ready": true}.
+    let r = client().post(s.url("/v2/repository/index")).send().expect("index");
+    assert_eq!(r.status(), 200);
+    let index: Value = r.json().expect("json");
+    assert_eq!(index.as_array().expect("array").len(), 8);
+    assert!(index.as_array().expect("array").iter().all(|m| m["state"] == "UNAVAILABLE"));
+    let (status, body, _) = s.post("/v2/repository/models/m2/load", &json!({}));
+    assert_eq!(status, 200, "{body}");
+    let (_, ready, _) = s.post("/v2/repository/index", &json!({"ready": true}));
+    assert_eq!(ready, json!([{"name": "m2", "version": "1", "state": "READY", "reason": ""}]));
+    assert_eq!(s.model("m2")["leases"], 0);
+
+    let (status, meta) = s.get("/v2/models/m3/versions/1");
+    assert_eq!(status, 200);
+    assert_eq!(meta["inputs"], json!([{"name": "x", "datatype": "FP32", "shape": [-1, 256]}]));
+    assert_eq!(meta["outputs"], json!([{"name": "y", "datatype": "FP32", "shape": [-1, 256]}]));
+    assert_eq!(s.model("m3")["state"], "unloaded", "metadata did not load the model");
+    assert_eq!(s.get("/v2/models/m3/versions/7").0, 404);
+    assert_eq!(s.get("/v2/models/m3/ready").0, 200, "a sleeping model can take requests");
+    assert_eq!(s.get("/v2/health/live").0, 200);
+    assert_eq!(s.get("/v2/health/ready").0, 200);
+    let (_, server) = s.get("/v2");
+    assert!(server["extensions"].as_array().expect("extensions").contains(&json!("model_repository")));
+    assert_eq!(s.post("/v2/repository/models/nope/load", &json!({})).0, 404);
+}
+
+#[test]
+fn binary_tensor_data_round_trip_and_body_limit() {
+    let s = Server::start("binary", &config(), &["--max-request-size", "1MiB"]);
+    let r = reference("mlp-100m-1");
+    let raw: Vec<u8> = r.input.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let header = json!({"inputs": [{"name": "x", "shape": r.shape, "datatype": "FP32",
+        "parameters": {"binary_data_size": raw.len()}}],
+        "outputs": [{"name": "y", "parameters": {"binary_data": true}}]})
+    .to_string();
+    let mut body = header.clone().into_bytes();
+    body.extend_from_slice(&raw);
+    let resp = client()
+        .post(s.url("/v2/models/m1/infer"))
+        .header("Inference-Header-Content-Length", header.len())
+        .header("Content-Type", "application/octet-stream")
+        .body(body)
+        .send()
+        .expect("infer");
+    assert_eq!(resp.status(), 200);
+    let json_len: usize = resp.headers()["inference-header-content-length"].to_str().expect("ascii").parse().expect("n");
+    let bytes = resp.bytes().expect("body");
+    let head: Value = serde_json::from_slice(&bytes[..json_len]).expect("json head");
+    assert_eq!(head["outputs"][0]["parameters"]["binary_data_size"], 2 * 256 * 4);
+    let out: Vec<f32> =
+        bytes[json_len..].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
+    assert!(max_abs_diff(&out, &r.output) <= 1e-4);
+
+    // Over max_request_size: 413 with our error shape.
+    let huge = json!({"inputs": [{"name": "x", "shape": [1024, 256], "datatype": "FP32", "data": vec![0.5; 1024 * 256]}]});
+    let (status, body, _) = s.post("/v2/models/m1/infer", &huge);
+    assert_eq!(status, 413, "{body}");
+    assert!(body["error"].as_str().expect("error").contains("max_request_size"));
+}
+
+#[test]
+fn every_datatype_round_trips_as_json() {
+    let dir = models_dir();
+    let cfg = format!("[models.types]\npath = \"{}/test/identity-all-types\"\n", dir.display());
+    let s = Server::start("types", &cfg, &[]);
+    let (_, meta) = s.get("/v2/models/types");
+    let inputs = meta["inputs"].as_array().expect("inputs");
+    assert_eq!(inputs.len(), 13);
+    let sample = |dt: &str| -> Value {
+        match dt {
+            "BOOL" => json!([[true, false, true], [false, false, true]]),
+            "BYTES" => json!([["a", "bc", ""], ["déjà", "x", "yz"]]),
+            "FP16" | "FP32" | "FP64" => json!([[0.5, 1.5, -2.0], [3.25, 0.0, 8.0]]),
+            "INT8" | "INT16" | "INT32" | "INT64" => json!([[-1, 2, -3], [4, -5, 6]]),
+            _ => json!([[0, 1, 2], [3, 4, 250]]),
+        }
+    };
+    let body = json!({"inputs": inputs.iter().map(|i| {
+        let dt = i["datatype"].as_str().expect("datatype");
+        json!({"name": i["name"], "shape": [2, 3], "datatype": dt, "data": sample(dt)})
+    }).collect::<Vec<_>>()});
+    let (status, resp, _) = s.post("/v2/models/types/infer", &body);
+    assert_eq!(status, 200, "{resp}");
+    let outputs = resp["outputs"].as_array().expect("outputs");
+    assert_eq!(outputs.len(), 13);
+    for out in outputs {
+        let dt = out["datatype"].as_str().expect("datatype");
+        let want: Vec<Value> = sample(dt).as_array().expect("rows").iter().flat_map(|r| r.as_array().expect("row").clone()).collect();
+        assert_eq!(out["data"], json!(want), "{dt}");
+        assert_eq!(out["shape"], json!([2, 3]));
+    }
+}
