@@ -1,0 +1,98 @@
+//! Classifying ONNX Runtime failures, once, at the backend boundary.
+//!
+//! ONNX Runtime has no out-of-memory error code: an allocation failure arrives as
+//! `ORT_FAIL` or `ORT_RUNTIME_EXCEPTION` with a message. The scheduler evicts other
+//! models and retries *only* on a verified OOM, so the match is strict: the exact
+//! texts ONNX Runtime and the C++ runtime produce for a failed allocation, nothing
+//! that merely mentions memory. A miss costs one failed load; a false positive
+//! would evict innocent models for a broken file.
+
+use ort::ErrorCode;
+use snooze_core::{InferError, LoadError};
+
+/// Substrings that only appear when an allocation failed.
+///
+/// - `BFCArena::AllocateRawInternal` (the CPU and CUDA arenas) when the underlying
+///   allocator returns nothing: "Failed to allocate memory for requested buffer of size N".
+/// - `std::bad_alloc::what()` under libstdc++ ("std::bad_alloc"), thrown by the
+///   default CPU allocator (`posix_memalign` failure) and by any container growth;
+///   ONNX Runtime forwards `what()`, e.g. "Exception during loading: std::bad_alloc".
+/// - The same under MSVC's runtime ("bad allocation").
+///
+/// Deliberately absent: the arena's "Available memory of N is smaller than requested
+/// bytes of M", which is a per-session cap (`gpu_mem_limit`, arena max) being hit —
+/// evicting other models cannot free memory inside that cap.
+pub const OOM_MESSAGES: [&str; 3] =
+    ["Failed to allocate memory for requested buffer of size", "std::bad_alloc", "bad allocation"];
+
+/// Whether an ONNX Runtime message reports an allocation failure.
+pub fn is_out_of_memory(message: &str) -> bool {
+    OOM_MESSAGES.iter().any(|m| message.contains(m))
+}
+
+/// A failed session creation.
+pub(crate) fn load_error(name: &str, path: &std::path::Path, message: &str) -> LoadError {
+    if is_out_of_memory(message) {
+        LoadError::OutOfMemory(format!("loading model '{name}' from {}: {message}", path.display()))
+    } else {
+        LoadError::Failed(format!("cannot load model '{name}' from {}: {message}", path.display()))
+    }
+}
+
+/// A failed run. ONNX Runtime flags shape and type mismatches it catches as
+/// `INVALID_ARGUMENT`: those are the request's fault, not the model's.
+pub(crate) fn infer_error(name: &str, code: ErrorCode, message: &str) -> InferError {
+    if is_out_of_memory(message) {
+        InferError::OutOfMemory(format!("model '{name}': {message}"))
+    } else if code == ErrorCode::InvalidArgument {
+        InferError::InvalidInput(format!("model '{name}' rejected the request: {message}"))
+    } else {
+        InferError::Failed(format!("model '{name}' failed: {message}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn only_allocation_failures_count_as_oom() {
+        for oom in [
+            "Failed to allocate memory for requested buffer of size 4294967296",
+            "Exception during loading: std::bad_alloc",
+            "Exception during initialization: std::bad_alloc",
+            "bad allocation",
+        ] {
+            assert!(is_out_of_memory(oom), "{oom}");
+        }
+        for other in [
+            "Protobuf parsing failed.",
+            "Load model from x failed:Load model x failed. File doesn't exist",
+            "Available memory of 0 is smaller than requested bytes of 1024",
+            "out of memory",
+            "Got invalid dimensions for input: x for the following indices",
+        ] {
+            assert!(!is_out_of_memory(other), "{other}");
+        }
+    }
+
+    #[test]
+    fn run_errors_are_classified_by_code_and_message() {
+        let invalid = infer_error("m", ErrorCode::InvalidArgument, "Got invalid dimensions");
+        assert!(matches!(invalid, InferError::InvalidInput(_)));
+        let oom = infer_error("m", ErrorCode::RuntimeException, "std::bad_alloc");
+        assert!(matches!(oom, InferError::OutOfMemory(_)));
+        let other = "Non-zero status code returned while running MatMul node";
+        assert!(matches!(infer_error("m", ErrorCode::GenericFailure, other), InferError::Failed(_)));
+        let load = load_error("m", std::path::Path::new("/x.onnx"), other);
+        assert_eq!(
+            load,
+            LoadError::Failed(
+                "cannot load model 'm' from /x.onnx: Non-zero status code returned while running MatMul node"
+                    .into()
+            )
+        );
+    }
+}

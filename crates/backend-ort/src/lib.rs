@@ -1,0 +1,237 @@
+//! The ONNX Runtime backend: serves `.onnx` models on the CPU through the `ort` crate.
+//!
+//! ONNX Runtime is loaded at run time from a shared library (`ORT_DYLIB_PATH`, the
+//! one `make prepare` installs), so the server builds and its other backends work
+//! on a machine without it; a missing library is an error sentence, never a panic.
+//! A model's signature and footprint come from its files alone (a hand-rolled,
+//! zero-copy protobuf walk), because the scheduler decides *whether* to load
+//! before loading. Runtime errors are classified here, once: only ONNX Runtime's
+//! own allocation-failure texts count as out-of-memory.
+
+use std::{
+    panic::{catch_unwind, AssertUnwindSafe},
+    path::{Path, PathBuf},
+    sync::{Arc, OnceLock},
+};
+
+use ort::{
+    environment::Environment,
+    session::{builder::GraphOptimizationLevel, Session},
+};
+use snooze_core::{Backend, Device, FootprintEstimate, LoadError, LoadSpec, LoadedModel, ModelSignature};
+
+mod convert;
+pub mod errors;
+pub mod estimate;
+mod model;
+mod onnx_file;
+mod proto;
+
+use crate::{model::OrtModel, onnx_file::ModelFile};
+
+const HOW_TO_FIX: &str = "run `make prepare` (it installs onnxruntime into .venv) and set ORT_DYLIB_PATH to \
+     .venv/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime.so.1.*";
+
+/// ONNX Runtime can be loaded once per process: the library it was loaded from
+/// and the environment every session shares, or why that failed.
+static RUNTIME: OnceLock<Result<(PathBuf, Environment), String>> = OnceLock::new();
+
+/// The `onnx` backend. Cheap to clone; every clone shares the one runtime.
+#[derive(Clone)]
+pub struct OrtBackend {
+    env: Environment,
+}
+
+impl std::fmt::Debug for OrtBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OrtBackend").finish_non_exhaustive()
+    }
+}
+
+impl OrtBackend {
+    /// Loads ONNX Runtime from `dylib_path`, else from `ORT_DYLIB_PATH`.
+    ///
+    /// The first successful call fixes the library for the process; a later call
+    /// naming another existing file gets the loaded one (and a warning). A failed
+    /// initialisation is remembered and its error returned again.
+    pub fn new(dylib_path: Option<&Path>) -> Result<OrtBackend, String> {
+        let path = locate_library(dylib_path, std::env::var_os("ORT_DYLIB_PATH"))?;
+        let (loaded, env) = RUNTIME.get_or_init(|| init_runtime(&path)).as_ref().map_err(Clone::clone)?;
+        if *loaded != path {
+            tracing::warn!(
+                requested = %path.display(),
+                loaded = %loaded.display(),
+                "ONNX Runtime is already loaded from another file; using that one"
+            );
+        }
+        Ok(OrtBackend { env: env.clone() })
+    }
+}
+
+/// The library file to load: the argument, else the environment variable.
+fn locate_library(arg: Option<&Path>, env_var: Option<std::ffi::OsString>) -> Result<PathBuf, String> {
+    let (path, source) = match (arg, env_var) {
+        (Some(p), _) => (p.to_path_buf(), "the configured path"),
+        (None, Some(v)) if !v.is_empty() => (PathBuf::from(v), "ORT_DYLIB_PATH"),
+        (None, _) => {
+            return Err(format!(
+                "the ONNX Runtime library was not found: ORT_DYLIB_PATH is not set; {HOW_TO_FIX}"
+            ))
+        }
+    };
+    if !path.is_file() {
+        return Err(format!(
+            "the ONNX Runtime library {} (from {source}) does not exist; {HOW_TO_FIX}",
+            path.display()
+        ));
+    }
+    // Absolute, because `ort` resolves a relative path against the executable's folder.
+    std::fs::canonicalize(&path).map_err(|e| format!("cannot resolve {}: {e}", path.display()))
+}
+
+fn init_runtime(path: &Path) -> Result<(PathBuf, Environment), String> {
+    let failed = |e: &dyn std::fmt::Display| {
+        format!("cannot initialise ONNX Runtime from {}: {e}; {HOW_TO_FIX}", path.display())
+    };
+    // `ort` asserts on a library that is not ONNX Runtime; that must not take the server down.
+    let built = catch_unwind(AssertUnwindSafe(|| {
+        let builder = ort::init_from(path).map_err(|e| failed(&e))?;
+        builder.with_name("snooze").with_telemetry(false).build().map_err(|e| failed(&e))
+    }))
+    .map_err(|_| failed(&"the library panicked while loading (is it really libonnxruntime?)"))?;
+    let env = built?;
+    warm_up(&env);
+    tracing::info!(library = %path.display(), "ONNX Runtime loaded");
+    Ok((path.to_path_buf(), env))
+}
+
+/// Creates and drops one trivial session, so the runtime's one-time costs (kernel
+/// registries, code pages: about 20 MiB) land in the server's baseline, measured
+/// at start, instead of in the first model's measured footprint.
+fn warm_up(env: &Environment) {
+    let result = Session::builder(env).and_then(|mut b| b.commit_from_memory(&warm_up_model()));
+    match result {
+        Ok(session) => drop(session),
+        Err(e) => tracing::warn!("ONNX Runtime warm-up session failed: {e}"),
+    }
+    snooze_core::memory::trim_heap();
+}
+
+/// `y = Identity(x)` over a float [1] tensor, as ONNX protobuf (IR 8, opset 17).
+fn warm_up_model() -> Vec<u8> {
+    use proto::{bytes_field as ld, varint_field as varint};
+    let value_info = |name: &str| {
+        let shape = ld(2, &ld(1, &varint(1, 1)));
+        let tensor_type = [varint(1, 1), shape].concat();
+        [ld(1, name.as_bytes()), ld(2, &ld(1, &tensor_type))].concat()
+    };
+    let node = [ld(1, b"x"), ld(2, b"y"), ld(4, b"Identity")].concat();
+    let graph =
+        [ld(1, &node), ld(2, b"warm_up"), ld(11, &value_info("x")), ld(12, &value_info("y"))].concat();
+    let opset = [ld(1, b""), varint(2, 17)].concat();
+    [varint(1, 8), ld(8, &opset), ld(7, &graph)].concat()
+}
+
+/// The `.onnx` file a model path designates: the file itself, or `model.onnx` /
+/// `1/model.onnx` (Triton's versioned layout) inside a folder.
+pub fn resolve_model_file(path: &Path) -> Result<PathBuf, String> {
+    if path.is_file() {
+        return Ok(path.to_path_buf());
+    }
+    if path.is_dir() {
+        for candidate in [path.join("model.onnx"), path.join("1").join("model.onnx")] {
+            if candidate.is_file() {
+                return Ok(candidate);
+            }
+        }
+        return Err(format!("{} holds neither model.onnx nor 1/model.onnx", path.display()));
+    }
+    Err(format!("model path {} does not exist", path.display()))
+}
+
+fn read_signature(file: &Path) -> Result<ModelSignature, LoadError> {
+    ModelFile::read(file)
+        .and_then(|m| m.signature())
+        .map_err(|e| LoadError::Failed(format!("{} is not a usable ONNX model: {e}", file.display())))
+}
+
+impl Backend for OrtBackend {
+    fn name(&self) -> &'static str {
+        "onnx"
+    }
+
+    fn estimate(&self, path: &Path) -> FootprintEstimate {
+        estimate::estimate(path)
+    }
+
+    fn signature(&self, path: &Path) -> Result<ModelSignature, LoadError> {
+        read_signature(&resolve_model_file(path).map_err(LoadError::Failed)?)
+    }
+
+    fn load(&self, spec: &LoadSpec) -> Result<Arc<dyn LoadedModel>, LoadError> {
+        if spec.device != Device::Cpu {
+            return Err(LoadError::Failed(format!(
+                "model '{}': the onnx backend runs on the CPU only, not on {}",
+                spec.name, spec.device
+            )));
+        }
+        let file = resolve_model_file(&spec.path)
+            .map_err(|e| LoadError::Failed(format!("cannot load model '{}': {e}", spec.name)))?;
+        // A corrupt file fails here with a sentence instead of a protobuf error code.
+        let signature = read_signature(&file)?;
+        let failed = |e: &str| errors::load_error(&spec.name, &file, e);
+        let mut builder = Session::builder(&self.env)
+            .map_err(|e| failed(e.message()))?
+            .with_optimization_level(GraphOptimizationLevel::All)
+            .map_err(|e| failed(e.message()))?;
+        if spec.intra_op_threads > 0 {
+            builder = builder.with_intra_threads(spec.intra_op_threads).map_err(|e| failed(e.message()))?;
+        }
+        let session = builder.commit_from_file(&file).map_err(|e| failed(e.message()))?;
+        tracing::debug!(model = %spec.name, file = %file.display(), "onnx session created");
+        Ok(Arc::new(OrtModel::new(spec.name.clone(), signature, session)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn library_location_errors_say_how_to_fix() {
+        let err = locate_library(None, None).unwrap_err();
+        assert!(err.contains("ORT_DYLIB_PATH is not set") && err.contains("make prepare"), "{err}");
+        let err = locate_library(None, Some("".into())).unwrap_err();
+        assert!(err.contains("not set"), "{err}");
+        let err = locate_library(None, Some("/nonexistent/libonnxruntime.so".into())).unwrap_err();
+        assert!(err.contains("/nonexistent/libonnxruntime.so") && err.contains("ORT_DYLIB_PATH"), "{err}");
+        let err = locate_library(Some(Path::new("/nope.so")), Some("/also-nope.so".into())).unwrap_err();
+        assert!(err.contains("/nope.so") && err.contains("make prepare"), "{err}");
+    }
+
+    #[test]
+    fn the_warm_up_model_declares_x_and_y() {
+        let sig = ModelFile::parse(&warm_up_model()).unwrap().signature().unwrap();
+        assert_eq!(sig.inputs[0].name, "x");
+        assert_eq!(sig.outputs[0].shape, vec![1]);
+    }
+
+    #[test]
+    fn model_paths_resolve_to_files_or_layouts() {
+        let dir = std::env::temp_dir().join(format!("snooze-ort-resolve-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("triton/1")).unwrap();
+        std::fs::create_dir_all(dir.join("flat")).unwrap();
+        std::fs::create_dir_all(dir.join("empty")).unwrap();
+        std::fs::write(dir.join("triton/1/model.onnx"), b"x").unwrap();
+        std::fs::write(dir.join("flat/model.onnx"), b"x").unwrap();
+        assert_eq!(resolve_model_file(&dir.join("triton")).unwrap(), dir.join("triton/1/model.onnx"));
+        assert_eq!(resolve_model_file(&dir.join("flat")).unwrap(), dir.join("flat/model.onnx"));
+        let file = dir.join("flat/model.onnx");
+        assert_eq!(resolve_model_file(&file).unwrap(), file);
+        assert!(resolve_model_file(&dir.join("empty")).unwrap_err().contains("neither"));
+        assert!(resolve_model_file(&dir.join("missing")).unwrap_err().contains("does not exist"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,144 @@
+//! A loaded ONNX Runtime session behind the `LoadedModel` seam.
+
+use std::{
+    collections::HashSet,
+    sync::{Mutex, PoisonError},
+};
+
+use ort::session::{OutputSelector, RunOptions, Session};
+use snooze_core::{InferError, LoadedModel, ModelSignature, Tensor};
+
+use crate::{convert, errors};
+
+pub(crate) struct OrtModel {
+    name: String,
+    signature: ModelSignature,
+    /// `Session::run` takes `&mut self` (ONNX Runtime's `Run` is not thread-safe for
+    /// every provider), so runs on one session are serialized; parallelism comes
+    /// from loading several instances. `Option` so `Drop` can release the session
+    /// before trimming the heap.
+    session: Mutex<Option<Session>>,
+}
+
+impl OrtModel {
+    pub(crate) fn new(name: String, signature: ModelSignature, session: Session) -> OrtModel {
+        OrtModel { name, signature, session: Mutex::new(Some(session)) }
+    }
+
+    fn input_names(&self) -> String {
+        self.signature.inputs.iter().map(|s| s.name.as_str()).collect::<Vec<_>>().join(", ")
+    }
+
+    fn output_names(&self) -> String {
+        self.signature.outputs.iter().map(|s| s.name.as_str()).collect::<Vec<_>>().join(", ")
+    }
+
+    /// Refuses a request the model cannot take, naming the tensor, before the runtime sees it.
+    fn check_inputs(&self, inputs: &[Tensor]) -> Result<(), InferError> {
+        let invalid = |m: String| Err(InferError::InvalidInput(m));
+        let mut seen = HashSet::new();
+        for t in inputs {
+            let Some(spec) = self.signature.inputs.iter().find(|s| s.name == t.name) else {
+                return invalid(format!(
+                    "model '{}' has no input '{}' (its inputs: {})",
+                    self.name,
+                    t.name,
+                    self.input_names()
+                ));
+            };
+            if !seen.insert(t.name.as_str()) {
+                return invalid(format!("input '{}' is given more than once", t.name));
+            }
+            // An empty declared shape may mean "rank unknown": the runtime checks those shapes.
+            let rank_unknown = spec.shape.is_empty() && !t.shape.is_empty();
+            if t.datatype() != spec.datatype || !rank_unknown {
+                spec.check(t).or_else(invalid)?;
+            }
+            if Tensor::shape_elements(&t.shape) != Some(t.data.len()) {
+                return invalid(format!(
+                    "input '{}' has shape {:?} but carries {} values",
+                    t.name,
+                    t.shape,
+                    t.data.len()
+                ));
+            }
+        }
+        if let Some(missing) = self.signature.inputs.iter().find(|s| !seen.contains(s.name.as_str())) {
+            return invalid(format!(
+                "input '{}' is missing (model '{}' needs: {})",
+                missing.name,
+                self.name,
+                self.input_names()
+            ));
+        }
+        Ok(())
+    }
+
+    /// The outputs to return, in the order to return them.
+    fn wanted_outputs<'a>(&'a self, requested: &'a [String]) -> Result<Vec<&'a str>, InferError> {
+        if requested.is_empty() {
+            return Ok(self.signature.outputs.iter().map(|s| s.name.as_str()).collect());
+        }
+        requested
+            .iter()
+            .map(|name| {
+                if self.signature.outputs.iter().any(|s| &s.name == name) {
+                    Ok(name.as_str())
+                } else {
+                    Err(InferError::InvalidInput(format!(
+                        "model '{}' has no output '{name}' (its outputs: {})",
+                        self.name,
+                        self.output_names()
+                    )))
+                }
+            })
+            .collect()
+    }
+}
+
+impl LoadedModel for OrtModel {
+    fn signature(&self) -> &ModelSignature {
+        &self.signature
+    }
+
+    fn infer(&self, inputs: Vec<Tensor>, outputs: &[String]) -> Result<Vec<Tensor>, InferError> {
+        self.check_inputs(&inputs)?;
+        let wanted = self.wanted_outputs(outputs)?;
+        let feeds =
+            inputs.into_iter().map(|t| convert::to_input(&self.name, t)).collect::<Result<Vec<_>, _>>()?;
+        // Naming only the wanted outputs lets the runtime skip nodes nobody reads.
+        let mut unique = HashSet::new();
+        let selector = wanted
+            .iter()
+            .filter(|n| unique.insert(**n))
+            .fold(OutputSelector::no_default(), |s, n| s.with(*n));
+        let run_failed = |e: ort::Error| errors::infer_error(&self.name, e.code(), e.message());
+        let options = RunOptions::new().map_err(run_failed)?.with_outputs(selector);
+
+        let mut guard = self.session.lock().unwrap_or_else(PoisonError::into_inner);
+        let session = guard
+            .as_mut()
+            .ok_or_else(|| InferError::Failed(format!("model '{}' has been unloaded", self.name)))?;
+        let results = session.run_with_options(feeds, &options).map_err(run_failed)?;
+        wanted
+            .iter()
+            .map(|name| {
+                let value = results.get(*name).ok_or_else(|| {
+                    InferError::Failed(format!("model '{}' returned no output '{name}'", self.name))
+                })?;
+                convert::to_tensor(name, value)
+                    .map_err(|e| InferError::Failed(format!("model '{}': {e}", self.name)))
+            })
+            .collect()
+    }
+}
+
+impl Drop for OrtModel {
+    fn drop(&mut self) {
+        let session = self.session.get_mut().unwrap_or_else(PoisonError::into_inner).take();
+        drop(session);
+        // ONNX Runtime frees through glibc, which keeps the freed arenas mapped:
+        // without a trim an unloaded model still counts against RSS and the cgroup.
+        snooze_core::memory::trim_heap();
+    }
+}
