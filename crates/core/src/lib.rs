@@ -18,6 +18,7 @@ pub use backend::{
 pub use error::{ErrorKind, SnoozeError};
 pub use memory::{HostProbe, MemoryProbe, MemorySnapshot};
 pub use tensor::{DataType, ModelSignature, Tensor, TensorData, TensorSpec};
+pub mod learned;
 pub mod lifecycle;
 pub mod units;
 

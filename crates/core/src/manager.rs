@@ -20,6 +20,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::{
     backend::{Backend, Device, LoadError, LoadSpec, LoadedModel},
     error::{ErrorKind, SnoozeError},
+    learned::{FootprintStore, LearnedFootprint},
     lifecycle::{
         Action, Event, LoadMeasurement, ModelId, ModelPolicy, ModelStatus, RequestId, Scheduler,
         SchedulerConfig, UnloadReason,
@@ -38,8 +39,8 @@ pub struct ModelEntry {
     /// files could not be read (the load will then fail with the same reason).
     pub signature: Result<ModelSignature, String>,
     pub preload: bool,
-    /// Measured on an earlier run.
-    pub learned_bytes: Option<u64>,
+    /// Identifies the model's files for the learned-footprint store.
+    pub fingerprint: String,
 }
 
 pub struct ManagerConfig {
@@ -49,6 +50,8 @@ pub struct ManagerConfig {
     pub acquire_timeout: Duration,
     pub intra_op_threads: usize,
     pub probe: Arc<dyn MemoryProbe>,
+    /// Where measured footprints are kept across runs; `None` = not kept.
+    pub store: Option<Arc<FootprintStore>>,
 }
 
 /// What the transports know of a model without asking the actor.
@@ -143,12 +146,15 @@ impl ModelManager {
         let mut infos = Vec::new();
         let mut backends = Vec::new();
         let mut broken = Vec::new();
+        let mut fingerprints = Vec::new();
         let mut preload = Vec::new();
         for entry in config.models {
             let id = scheduler.register(entry.policy.clone());
-            if let Some(b) = entry.learned_bytes {
-                scheduler.set_learned(id, b);
+            if let Some(l) = config.store.as_ref().and_then(|s| s.get(&entry.policy.name, &entry.fingerprint)) {
+                tracing::info!(model = %entry.policy.name, steady_bytes = l.steady_bytes, peak_bytes = l.peak_bytes, "using the footprint measured on an earlier load");
+                scheduler.set_learned(id, l.steady_bytes, l.peak_bytes);
             }
+            fingerprints.push(entry.fingerprint.clone());
             if entry.preload {
                 preload.push(id);
             }
@@ -168,6 +174,8 @@ impl ModelManager {
             scheduler,
             backends,
             broken,
+            fingerprints,
+            store: config.store,
             loaded: HashMap::new(),
             replies: HashMap::new(),
             next_req: 1,
@@ -292,6 +300,8 @@ struct Actor {
     backends: Vec<(Arc<dyn Backend>, PathBuf)>,
     /// Why a model's files could not be read at start (or at its last request).
     broken: Vec<Option<String>>,
+    fingerprints: Vec<String>,
+    store: Option<Arc<FootprintStore>>,
     loaded: HashMap<ModelId, Arc<dyn LoadedModel>>,
     replies: HashMap<RequestId, Reply>,
     next_req: RequestId,
@@ -418,6 +428,16 @@ impl Actor {
                             measured.steady.map_or("footprint not measured".into(), format_bytes)
                         );
                         self.loaded.insert(model, instance);
+                        if let (Some(store), Some(_)) = (&self.store, measured.steady) {
+                            let device = self.scheduler.slot(model).device().map(|d| d.to_string()).unwrap_or_default();
+                            store.record(name, LearnedFootprint {
+                                fingerprint: self.fingerprints[model].clone(),
+                                device,
+                                steady_bytes: measured.steady,
+                                peak_bytes: measured.peak,
+                                measured_at: crate::learned::unix_now(),
+                            });
+                        }
                         Ok(measured)
                     }
                     Err(e) => {

@@ -99,7 +99,7 @@ fn setup(names: &[&str], keep_alive: KeepAlive) -> (ModelManager, Arc<FakeBacken
                 path: PathBuf::from("/nowhere"),
                 signature: Ok(ModelSignature::default()),
                 preload: false,
-                learned_bytes: None,
+                fingerprint: String::new(),
             }
         })
         .collect();
@@ -112,6 +112,7 @@ fn setup(names: &[&str], keep_alive: KeepAlive) -> (ModelManager, Arc<FakeBacken
         acquire_timeout: Duration::from_secs(30),
         intra_op_threads: 1,
         probe: Arc::new(FakeProbe { free: free.clone() }),
+        store: None,
     });
     (manager, backend, free)
 }

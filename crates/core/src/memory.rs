@@ -2,8 +2,8 @@
 //!
 //! The host probe reads Linux directly: `/proc/meminfo` (MemAvailable), the memory
 //! cgroup of this process (v2 `memory.max` / `memory.current`, v1
-//! `memory.limit_in_bytes` / `memory.usage_in_bytes`, both minus `inactive_file`,
-//! which the kernel reclaims before it OOM-kills) and the process RSS.
+//! `memory.limit_in_bytes` / `memory.usage_in_bytes`, both minus the unmapped page
+//! cache, which the kernel reclaims before it OOM-kills) and the process RSS.
 
 use std::{fs, path::PathBuf};
 
@@ -79,8 +79,8 @@ impl HostProbe {
             return None;
         }
         let usage: u64 = usage.parse().ok()?;
-        let inactive_file = stat.as_deref().and_then(|s| stat_field(s, "inactive_file")).unwrap_or(0);
-        Some((limit, usage.saturating_sub(inactive_file), source))
+        let reclaimable = stat.as_deref().map_or(0, reclaimable_cache);
+        Some((limit, usage.saturating_sub(reclaimable), source))
     }
 }
 
@@ -105,6 +105,17 @@ impl MemoryProbe for HostProbe {
             },
         }
     }
+}
+
+/// Page cache the kernel drops before it OOM-kills: inactive *and* active file pages
+/// not mapped by a process. Only counting `inactive_file` made the probe report a
+/// cgroup as full after a few models had been read from disk (their files sit in
+/// `active_file`), refusing loads the kernel would have made room for.
+fn reclaimable_cache(stat: &str) -> u64 {
+    // cgroup v1 has hierarchical `total_*` keys; v2 and v1 leaves have the plain ones.
+    let field = |k: &str| stat_field(stat, &format!("total_{k}")).or_else(|| stat_field(stat, k)).unwrap_or(0);
+    let mapped = stat_field(stat, "file_mapped").unwrap_or_else(|| field("mapped_file"));
+    (field("inactive_file") + field("active_file")).saturating_sub(mapped)
 }
 
 fn read_trim(path: PathBuf) -> Option<String> {
@@ -196,6 +207,11 @@ mod tests {
         let stat = "cache 10\ninactive_file 4096\nactive_file 1\n";
         assert_eq!(stat_field(stat, "inactive_file"), Some(4096));
         assert_eq!(stat_field(stat, "total_inactive_file"), None);
+        // v1: hierarchical totals win; mapped file pages are not reclaimable.
+        let v1 = "inactive_file 1\nactive_file 1\ntotal_inactive_file 1000\ntotal_active_file 500\ntotal_mapped_file 300\n";
+        assert_eq!(reclaimable_cache(v1), 1200);
+        let v2 = "anon 5\nfile 900\nactive_file 400\ninactive_file 500\nfile_mapped 100\n";
+        assert_eq!(reclaimable_cache(v2), 800);
     }
 
     #[test]

@@ -103,7 +103,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
             path: m.path.clone(),
             signature,
             preload: m.preload,
-            learned_bytes: None,
+            fingerprint: snooze_core::learned::fingerprint(&m.path),
         });
     }
     let scheduler = SchedulerConfig {
@@ -134,6 +134,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
         acquire_timeout: s.acquire_timeout,
         intra_op_threads: s.intra_op_threads,
         probe,
+        store: Some(Arc::new(snooze_core::learned::FootprintStore::open(&s.state_dir))),
     });
     let memory = ServerMemory { budget_bytes: budget, baseline_bytes: baseline, limit_source: snap.source };
     Ok(AppState::new(manager, s.clone(), memory))

@@ -175,8 +175,9 @@ impl Scheduler {
     }
 
     /// Records a footprint learned on an earlier run (preferred to the file estimate).
-    pub fn set_learned(&mut self, model: ModelId, bytes: u64) {
-        self.slots[model].learned_bytes = Some(bytes);
+    pub fn set_learned(&mut self, model: ModelId, steady: Option<u64>, peak: Option<u64>) {
+        self.slots[model].learned_bytes = steady;
+        self.slots[model].learned_peak_bytes = peak;
     }
 
     /// Bytes accounted on a device: baseline + every resident, loading or unloading model.

@@ -233,7 +233,7 @@ fn rule3_admission_uses_estimate_plus_headroom_and_baseline() {
 #[test]
 fn rule3_configured_memory_wins_over_estimate_and_learned() {
     let mut h = Harness::with(300, &[("a", 500)], |p| p.memory = Some(100 * MB));
-    h.s.set_learned(0, 900 * MB);
+    h.s.set_learned(0, Some(900 * MB), None);
     h.call("a").unwrap();
 }
 
@@ -241,7 +241,7 @@ fn rule3_configured_memory_wins_over_estimate_and_learned() {
 fn rule3_learned_footprint_is_preferred_to_the_estimate() {
     let mut h = Harness::new(300, &[("a", 500)]);
     assert!(h.call("a").is_err(), "estimate 500 > budget 300");
-    h.s.set_learned(0, 120 * MB);
+    h.s.set_learned(0, Some(120 * MB), Some(120 * MB));
     h.call("a").unwrap();
 }
 
