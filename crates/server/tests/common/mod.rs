@@ -52,9 +52,11 @@ impl Server {
     }
 
     pub fn start_with(cmd: &mut Command, extra_args: &[&str], dir: PathBuf) -> Server {
+        cmd.args(["--http-address", "127.0.0.1:0"]);
+        if !extra_args.contains(&"--state-dir") {
+            cmd.arg("--state-dir").arg(dir.join("state"));
+        }
         let mut child = cmd
-            .args(["--http-address", "127.0.0.1:0", "--state-dir"])
-            .arg(dir.join("state"))
             .args(extra_args)
             .env("ORT_DYLIB_PATH", ort_dylib())
             .env("NO_COLOR", "1")
