@@ -81,7 +81,11 @@ pub fn fingerprint(path: &Path) -> String {
         if let Ok(m) = fs::metadata(p) {
             if m.is_file() {
                 bytes += m.len();
-                let t = m.modified().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or(0, |d| d.as_secs());
+                let t = m
+                    .modified()
+                    .ok()
+                    .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                    .map_or(0, |d| d.as_secs());
                 newest = newest.max(t);
             }
         }

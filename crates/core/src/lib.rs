@@ -9,6 +9,8 @@
 pub mod backend;
 pub mod error;
 pub mod memory;
+pub mod pressure;
+pub mod recovery;
 pub mod tensor;
 
 pub use backend::{
@@ -25,4 +27,4 @@ pub mod units;
 pub use lifecycle::{Action, Event, LoadMeasurement, ModelPolicy, Scheduler, SchedulerConfig, UnloadReason};
 pub mod manager;
 
-pub use manager::{Lease, ManagerConfig, ModelEntry, ModelInfo, ModelManager};
+pub use manager::{Lease, ManagerConfig, ModelEntry, ModelInfo, ModelManager, Priority};

@@ -10,9 +10,9 @@ use std::{
     path::PathBuf,
     sync::{
         atomic::{AtomicU64, Ordering},
-        Arc,
+        Arc, Mutex,
     },
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use tokio::sync::{mpsc, oneshot, watch};
@@ -26,6 +26,7 @@ use crate::{
         SchedulerConfig, UnloadReason,
     },
     memory::{self, MemoryProbe},
+    pressure::{MemoryReading, PressureLevel, PressureState, Thresholds},
     tensor::ModelSignature,
     units::format_bytes,
 };
@@ -52,6 +53,9 @@ pub struct ManagerConfig {
     pub probe: Arc<dyn MemoryProbe>,
     /// Where measured footprints are kept across runs; `None` = not kept.
     pub store: Option<Arc<FootprintStore>>,
+    pub thresholds: Thresholds,
+    /// How often the pressure monitor reads the probe (also after every load).
+    pub check_interval: Duration,
 }
 
 /// What the transports know of a model without asking the actor.
@@ -63,7 +67,7 @@ pub struct ModelInfo {
     pub signature: Result<ModelSignature, String>,
 }
 
-enum Command {
+pub(crate) enum Command {
     Acquire {
         req: RequestId,
         model: ModelId,
@@ -136,6 +140,17 @@ pub struct ModelManager {
     next_acquire: Arc<AtomicU64>,
     acquire_timeout: Duration,
     retry_after: Duration,
+    pub(crate) pressure: Arc<Mutex<PressureState>>,
+    level: watch::Receiver<PressureLevel>,
+}
+
+/// How much a request may be refused under memory pressure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Priority {
+    /// Refused with 503 while memory pressure is critical.
+    Low,
+    #[default]
+    Normal,
 }
 
 impl ModelManager {
@@ -150,7 +165,8 @@ impl ModelManager {
         let mut preload = Vec::new();
         for entry in config.models {
             let id = scheduler.register(entry.policy.clone());
-            if let Some(l) = config.store.as_ref().and_then(|s| s.get(&entry.policy.name, &entry.fingerprint)) {
+            if let Some(l) = config.store.as_ref().and_then(|s| s.get(&entry.policy.name, &entry.fingerprint))
+            {
                 tracing::info!(model = %entry.policy.name, steady_bytes = l.steady_bytes, peak_bytes = l.peak_bytes, "using the footprint measured on an earlier load");
                 scheduler.set_learned(id, l.steady_bytes, l.peak_bytes);
             }
@@ -170,6 +186,8 @@ impl ModelManager {
         let names = infos.iter().enumerate().map(|(i, m)| (m.name.clone(), i)).collect();
         let (tx, rx) = mpsc::unbounded_channel();
         let (drained_tx, drained) = watch::channel(false);
+        let (level_tx, level) = watch::channel(PressureLevel::Normal);
+        let pressure = Arc::new(Mutex::new(PressureState::default()));
         let actor = Actor {
             scheduler,
             backends,
@@ -185,6 +203,10 @@ impl ModelManager {
             probe: config.probe,
             intra_op_threads: config.intra_op_threads,
             load_started: HashMap::new(),
+            pressure: pressure.clone(),
+            level: level_tx,
+            thresholds: config.thresholds,
+            check_interval: config.check_interval,
         };
         tokio::spawn(actor.run());
         let manager = ModelManager {
@@ -195,6 +217,8 @@ impl ModelManager {
             next_acquire: Arc::new(AtomicU64::new(1 << 62)),
             acquire_timeout: config.acquire_timeout,
             retry_after,
+            pressure,
+            level,
         };
         for id in preload {
             let m = manager.clone();
@@ -221,6 +245,18 @@ impl ModelManager {
         self.names.get(name).copied().ok_or_else(|| SnoozeError::not_found(name))
     }
 
+    pub(crate) fn model_id(&self, name: &str) -> Result<ModelId, SnoozeError> {
+        self.id(name)
+    }
+
+    pub(crate) fn send_command(&self, cmd: Command) {
+        self.send(cmd)
+    }
+
+    pub(crate) fn retry_after(&self) -> Duration {
+        self.retry_after
+    }
+
     fn send(&self, cmd: Command) {
         // The actor lives as long as any handle; a failed send means the runtime is gone.
         let _ = self.tx.send(cmd);
@@ -232,7 +268,36 @@ impl ModelManager {
 
     /// Waits (bounded) until the model is ready and returns a lease on it.
     pub async fn acquire(&self, name: &str) -> Result<Lease, SnoozeError> {
+        self.acquire_with(name, Priority::Normal).await
+    }
+
+    /// The memory pressure level now.
+    pub fn pressure_level(&self) -> PressureLevel {
+        *self.level.borrow()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn pressure_level_for_test(&mut self, level: PressureLevel) {
+        let (tx, rx) = watch::channel(level);
+        self.level = rx;
+        std::mem::forget(tx);
+    }
+
+    /// A copy of the monitor's readings and alerts.
+    pub fn pressure_state(&self) -> PressureState {
+        self.pressure.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Like [`acquire`](Self::acquire); low-priority work is refused under critical pressure.
+    pub async fn acquire_with(&self, name: &str, priority: Priority) -> Result<Lease, SnoozeError> {
         let model = self.id(name)?;
+        if priority == Priority::Low && self.pressure_level() >= PressureLevel::Critical {
+            return Err(SnoozeError::new(
+                ErrorKind::InsufficientMemory,
+                "memory pressure is critical: low-priority requests are refused until it eases",
+            )
+            .retry_after(self.retry_after));
+        }
         let (reply, rx) = oneshot::channel();
         let req = self.next_acquire.fetch_add(1, Ordering::Relaxed);
         self.send(Command::Acquire { req, model, reply });
@@ -311,6 +376,16 @@ struct Actor {
     probe: Arc<dyn MemoryProbe>,
     intra_op_threads: usize,
     load_started: HashMap<ModelId, Instant>,
+    pressure: Arc<Mutex<PressureState>>,
+    level: watch::Sender<PressureLevel>,
+    thresholds: Thresholds,
+    check_interval: Duration,
+}
+
+enum Wake {
+    Command(Command),
+    Deadline,
+    Tick,
 }
 
 enum Reply {
@@ -325,18 +400,22 @@ fn now() -> Instant {
 impl Actor {
     async fn run(mut self) {
         self.refresh_probe();
+        let mut ticker = tokio::time::interval(self.check_interval.max(Duration::from_millis(10)));
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let deadline = self.scheduler.next_deadline();
-            let cmd = tokio::select! {
+            let wake = tokio::select! {
                 cmd = self.rx.recv() => match cmd {
-                    Some(cmd) => Some(cmd),
+                    Some(cmd) => Wake::Command(cmd),
                     None => return,
                 },
-                _ = sleep_until(deadline) => None,
+                _ = sleep_until(deadline) => Wake::Deadline,
+                _ = ticker.tick() => Wake::Tick,
             };
-            let actions = match cmd {
-                Some(cmd) => self.command(cmd),
-                None => self.scheduler.handle_timeout(now()),
+            let actions = match wake {
+                Wake::Command(cmd) => self.command(cmd),
+                Wake::Deadline => self.scheduler.handle_timeout(now()),
+                Wake::Tick => self.check_pressure(),
             };
             self.execute(actions);
             self.drained.send_replace(self.scheduler.is_shutting_down() && !self.scheduler.busy());
@@ -348,6 +427,34 @@ impl Actor {
         self.next_req += 1;
         self.replies.insert(req, reply);
         req
+    }
+
+    /// Reads the probe, records the reading and tells the scheduler if the level moved.
+    fn check_pressure(&mut self) -> Vec<Action> {
+        let snap = self.probe.snapshot();
+        let budget = self.scheduler.budget(&Device::Cpu);
+        let reading = MemoryReading {
+            unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+            process_bytes: snap.process_bytes,
+            available_bytes: snap.available_bytes,
+            accounted_bytes: self.scheduler.accounted(&Device::Cpu),
+            budget_bytes: budget,
+            level: self.thresholds.level(snap.process_bytes, budget),
+        };
+        let level = self.pressure.lock().unwrap_or_else(|p| p.into_inner()).record(reading);
+        let mut actions = self
+            .scheduler
+            .handle(now(), Event::MemoryAvailable { device: Device::Cpu, bytes: snap.available_bytes });
+        // Emergency is re-applied at every reading: models that became idle since the
+        // last one are unloaded too.
+        if level != self.scheduler.pressure() || level == PressureLevel::Emergency {
+            self.level.send_replace(level);
+            if level == PressureLevel::Emergency {
+                tracing::warn!("memory pressure emergency: unloading every idle, unpinned model");
+            }
+            actions.extend(self.scheduler.handle(now(), Event::Pressure(level)));
+        }
+        actions
     }
 
     fn refresh_probe(&mut self) {
@@ -372,7 +479,10 @@ impl Actor {
                 let name = &self.scheduler.slot(model).policy.name;
                 tracing::warn!(model = %name, error = %e, "refused: the model's files cannot be read");
                 self.broken[model] = Some(e.to_string());
-                Some(SnoozeError::new(ErrorKind::ModelFailed, format!("model '{name}' cannot be loaded: {e}")))
+                Some(SnoozeError::new(
+                    ErrorKind::ModelFailed,
+                    format!("model '{name}' cannot be loaded: {e}"),
+                ))
             }
         }
     }
@@ -429,14 +539,22 @@ impl Actor {
                         );
                         self.loaded.insert(model, instance);
                         if let (Some(store), Some(_)) = (&self.store, measured.steady) {
-                            let device = self.scheduler.slot(model).device().map(|d| d.to_string()).unwrap_or_default();
-                            store.record(name, LearnedFootprint {
-                                fingerprint: self.fingerprints[model].clone(),
-                                device,
-                                steady_bytes: measured.steady,
-                                peak_bytes: measured.peak,
-                                measured_at: crate::learned::unix_now(),
-                            });
+                            let device = self
+                                .scheduler
+                                .slot(model)
+                                .device()
+                                .map(|d| d.to_string())
+                                .unwrap_or_default();
+                            store.record(
+                                name,
+                                LearnedFootprint {
+                                    fingerprint: self.fingerprints[model].clone(),
+                                    device,
+                                    steady_bytes: measured.steady,
+                                    peak_bytes: measured.peak,
+                                    measured_at: crate::learned::unix_now(),
+                                },
+                            );
                         }
                         Ok(measured)
                     }
@@ -445,8 +563,9 @@ impl Actor {
                         Err(e)
                     }
                 };
-                self.refresh_probe();
-                Event::LoadFinished { model, result, took }
+                let mut actions = self.check_pressure();
+                actions.extend(self.scheduler.handle(now(), Event::LoadFinished { model, result, took }));
+                return actions;
             }
             Command::UnloadDone { model } => {
                 self.refresh_probe();

@@ -31,14 +31,16 @@ impl MemoryProbe for FakeProbe {
 struct FakeBackend {
     free: Arc<AtomicU64>,
     loads: AtomicUsize,
-    /// Loads take this long (on the blocking thread; real time, kept tiny).
     fail: Mutex<Option<LoadError>>,
+    max_batch: Arc<AtomicU64>,
 }
 
 struct FakeModel {
     free: Arc<AtomicU64>,
     bytes: u64,
     sig: ModelSignature,
+    /// Inference runs out of memory on batches larger than this.
+    max_batch: Arc<AtomicU64>,
 }
 
 impl Drop for FakeModel {
@@ -52,7 +54,19 @@ impl LoadedModel for FakeModel {
         &self.sig
     }
     fn infer(&self, inputs: Vec<Tensor>, _: &[String]) -> Result<Vec<Tensor>, InferError> {
-        Ok(inputs)
+        if inputs[0].shape[0] as u64 > self.max_batch.load(Ordering::SeqCst) {
+            return Err(InferError::OutOfMemory("fake: batch too large".into()));
+        }
+        // y = 2x, so a split-and-joined answer is checkable.
+        Ok(inputs
+            .into_iter()
+            .map(|t| match t.data {
+                TensorData::Fp32(v) => {
+                    Tensor::new("y", t.shape, TensorData::Fp32(v.iter().map(|x| x * 2.0).collect()))
+                }
+                other => Tensor::new("y", t.shape, other),
+            })
+            .collect())
     }
 }
 
@@ -77,14 +91,23 @@ impl Backend for FakeBackend {
             return Err(LoadError::OutOfMemory("fake: not enough".into()));
         }
         self.free.fetch_sub(bytes, Ordering::SeqCst);
-        Ok(Arc::new(FakeModel { free: self.free.clone(), bytes, sig: ModelSignature::default() }))
+        Ok(Arc::new(FakeModel {
+            free: self.free.clone(),
+            bytes,
+            sig: ModelSignature::default(),
+            max_batch: self.max_batch.clone(),
+        }))
     }
 }
 
 fn setup(names: &[&str], keep_alive: KeepAlive) -> (ModelManager, Arc<FakeBackend>, Arc<AtomicU64>) {
     let free = Arc::new(AtomicU64::new(250 * MB));
-    let backend =
-        Arc::new(FakeBackend { free: free.clone(), loads: AtomicUsize::new(0), fail: Mutex::new(None) });
+    let backend = Arc::new(FakeBackend {
+        free: free.clone(),
+        loads: AtomicUsize::new(0),
+        fail: Mutex::new(None),
+        max_batch: Arc::new(AtomicU64::new(u64::MAX)),
+    });
     let models = names
         .iter()
         .map(|n| {
@@ -113,6 +136,8 @@ fn setup(names: &[&str], keep_alive: KeepAlive) -> (ModelManager, Arc<FakeBacken
         intra_op_threads: 1,
         probe: Arc::new(FakeProbe { free: free.clone() }),
         store: None,
+        thresholds: Default::default(),
+        check_interval: Duration::from_secs(5),
     });
     (manager, backend, free)
 }
@@ -192,4 +217,49 @@ async fn shutdown_waits_for_leases_then_unloads() {
     drop(lease);
     assert!(done.await.unwrap(), "drained before the timeout");
     assert_eq!(free.load(Ordering::SeqCst), 250 * MB);
+}
+
+fn batch(n: usize) -> Vec<Tensor> {
+    vec![Tensor::new("x", vec![n as i64, 2], TensorData::Fp32((0..2 * n).map(|i| i as f32).collect()))]
+}
+
+#[tokio::test]
+async fn inference_oom_evicts_idle_then_splits_the_batch_then_refuses() {
+    let (m, backend, _) = setup(&["a", "b"], KeepAlive::Forever);
+    drop(m.acquire("b").await.unwrap());
+    // A batch of 4 fails, halves of 2 pass: b (idle) is evicted on the way.
+    backend.max_batch.store(2, Ordering::SeqCst);
+    let out = m.infer("a", Priority::Normal, batch(4), vec![]).await.unwrap();
+    assert_eq!(out[0].shape, [4, 2]);
+    assert_eq!(out[0].data, TensorData::Fp32((0..8).map(|i| 2.0 * i as f32).collect()));
+    let st = m.status().await;
+    assert_eq!(st[1].state, crate::lifecycle::StateName::Unloaded, "the idle model was evicted first");
+    // Nothing helps: 503 with Retry-After.
+    backend.max_batch.store(0, Ordering::SeqCst);
+    let e = m.infer("a", Priority::Normal, batch(4), vec![]).await.unwrap_err();
+    assert_eq!(e.kind, ErrorKind::InsufficientMemory);
+    assert!(e.retry_after.is_some() && e.message.contains("half the batch"), "{}", e.message);
+    // A batch of one cannot be split.
+    let e = m.infer("a", Priority::Normal, batch(1), vec![]).await.unwrap_err();
+    assert!(e.message.contains("after evicting"), "{}", e.message);
+}
+
+#[tokio::test]
+async fn gc_unloads_idle_unpinned_models_and_reports_them() {
+    let (m, _, free) = setup(&["a", "b"], KeepAlive::Forever);
+    drop(m.acquire("a").await.unwrap());
+    let held = m.acquire("b").await.unwrap();
+    let report = m.gc(None).await;
+    assert_eq!(report.models_unloaded, ["a"], "b is leased");
+    assert_eq!(free.load(Ordering::SeqCst), 150 * MB);
+    drop(held);
+}
+
+#[tokio::test]
+async fn low_priority_is_refused_under_critical_pressure() {
+    let (mut m, _, _) = setup(&["a"], KeepAlive::Forever);
+    m.pressure_level_for_test(crate::pressure::PressureLevel::Critical);
+    let e = m.acquire_with("a", Priority::Low).await.err().unwrap();
+    assert_eq!(e.kind, ErrorKind::InsufficientMemory);
+    assert!(m.acquire_with("a", Priority::Normal).await.is_ok());
 }

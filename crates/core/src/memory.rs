@@ -113,7 +113,8 @@ impl MemoryProbe for HostProbe {
 /// `active_file`), refusing loads the kernel would have made room for.
 fn reclaimable_cache(stat: &str) -> u64 {
     // cgroup v1 has hierarchical `total_*` keys; v2 and v1 leaves have the plain ones.
-    let field = |k: &str| stat_field(stat, &format!("total_{k}")).or_else(|| stat_field(stat, k)).unwrap_or(0);
+    let field =
+        |k: &str| stat_field(stat, &format!("total_{k}")).or_else(|| stat_field(stat, k)).unwrap_or(0);
     let mapped = stat_field(stat, "file_mapped").unwrap_or_else(|| field("mapped_file"));
     (field("inactive_file") + field("active_file")).saturating_sub(mapped)
 }
@@ -182,6 +183,19 @@ pub fn reset_peak_rss() {
 pub fn peak_rss_bytes() -> Option<u64> {
     let status = fs::read_to_string("/proc/self/status").ok()?;
     meminfo_kib(&status, "VmHWM").map(|k| k * 1024)
+}
+
+/// Low-RAM allocator tuning: one malloc arena (threads otherwise each get their own,
+/// each keeping freed memory) and a 64 KiB mmap threshold (larger blocks go straight
+/// to mmap and return to the OS on free). Returns whether glibc accepted both.
+pub fn tune_allocator_for_low_ram() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes glibc allocator parameters; called at start.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1) == 1 && libc::mallopt(libc::M_MMAP_THRESHOLD, 64 * 1024) == 1
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    false
 }
 
 /// Returns freed heap to the OS. glibc keeps freed arenas otherwise, so an unloaded

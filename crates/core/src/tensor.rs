@@ -162,6 +162,71 @@ impl TensorData {
     }
 }
 
+impl TensorData {
+    /// Elements `start..end` (row-major), same type.
+    pub fn slice(&self, start: usize, end: usize) -> TensorData {
+        macro_rules! cut {
+            ($($variant:ident),*) => {
+                match self { $(TensorData::$variant(v) => TensorData::$variant(v[start..end].to_vec()),)* }
+            };
+        }
+        cut!(Bool, Uint8, Uint16, Uint32, Uint64, Int8, Int16, Int32, Int64, Fp16, Fp32, Fp64, Bytes)
+    }
+
+    /// Appends `other`'s elements; `false` (and nothing appended) if the types differ.
+    pub fn append(&mut self, other: TensorData) -> bool {
+        macro_rules! join {
+            ($($variant:ident),*) => {
+                match (self, other) {
+                    $((TensorData::$variant(a), TensorData::$variant(b)) => { a.extend(b); true })*
+                    _ => false,
+                }
+            };
+        }
+        join!(Bool, Uint8, Uint16, Uint32, Uint64, Int8, Int16, Int32, Int64, Fp16, Fp32, Fp64, Bytes)
+    }
+}
+
+/// Splits a batch in halves along the first dimension: every input must have the same
+/// batch size `n >= 2`. `None` when the request cannot be split.
+pub fn split_batch(inputs: &[Tensor]) -> Option<(Vec<Tensor>, Vec<Tensor>)> {
+    let n = *inputs.first()?.shape.first()?;
+    if n < 2 || inputs.iter().any(|t| t.shape.first() != Some(&n)) {
+        return None;
+    }
+    let (n, half) = (n as usize, (n / 2) as usize);
+    let mut left = Vec::with_capacity(inputs.len());
+    let mut right = Vec::with_capacity(inputs.len());
+    for t in inputs {
+        let row = t.data.len() / n;
+        let mut shape = t.shape.clone();
+        shape[0] = half as i64;
+        left.push(Tensor::new(t.name.clone(), shape.clone(), t.data.slice(0, half * row)));
+        shape[0] = (n - half) as i64;
+        right.push(Tensor::new(t.name.clone(), shape, t.data.slice(half * row, n * row)));
+    }
+    Some((left, right))
+}
+
+/// Joins the outputs of two halves along the first dimension.
+pub fn concat_batch(left: Vec<Tensor>, right: Vec<Tensor>) -> Option<Vec<Tensor>> {
+    if left.len() != right.len() {
+        return None;
+    }
+    left.into_iter()
+        .zip(right)
+        .map(|(mut a, b)| {
+            let same_rest =
+                a.name == b.name && a.shape.len() == b.shape.len() && a.shape[1..] == b.shape[1..];
+            if a.shape.is_empty() || !same_rest || !a.data.append(b.data) {
+                return None;
+            }
+            a.shape[0] += b.shape[0];
+            Some(a)
+        })
+        .collect()
+}
+
 /// A named tensor with its shape (every dimension known).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tensor {
@@ -241,10 +306,26 @@ mod tests {
         let spec = TensorSpec { name: "x".into(), datatype: DataType::Fp32, shape: vec![-1, 4] };
         let ok = Tensor::new("x", vec![2, 4], TensorData::Fp32(vec![0.0; 8]));
         assert!(spec.check(&ok).is_ok());
+        assert!(spec.check(&ok).is_ok());
         let bad_shape = Tensor::new("x", vec![2, 3], TensorData::Fp32(vec![0.0; 6]));
         assert!(spec.check(&bad_shape).unwrap_err().contains("'x'"));
         let bad_type = Tensor::new("x", vec![2, 4], TensorData::Int32(vec![0; 8]));
         assert!(spec.check(&bad_type).unwrap_err().contains("FP32"));
+    }
+
+    #[test]
+    fn split_and_concat_batches() {
+        let x = Tensor::new("x", vec![3, 2], TensorData::Fp32(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]));
+        let b =
+            Tensor::new("b", vec![3], TensorData::Bytes(vec![b"a".to_vec(), b"b".to_vec(), b"c".to_vec()]));
+        let (l, r) = split_batch(&[x.clone(), b.clone()]).unwrap();
+        assert_eq!(l[0].shape, [1, 2]);
+        assert_eq!(r[0].data, TensorData::Fp32(vec![3.0, 4.0, 5.0, 6.0]));
+        assert_eq!(r[1].data, TensorData::Bytes(vec![b"b".to_vec(), b"c".to_vec()]));
+        assert_eq!(concat_batch(l, r).unwrap(), vec![x.clone(), b]);
+        let one = Tensor::new("x", vec![1, 2], TensorData::Fp32(vec![1.0, 2.0]));
+        assert!(split_batch(std::slice::from_ref(&one)).is_none(), "a batch of one cannot be split");
+        assert!(split_batch(&[x, one]).is_none(), "different batch sizes");
     }
 
     #[test]

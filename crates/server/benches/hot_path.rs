@@ -57,14 +57,23 @@ fn main() -> anyhow::Result<()> {
     let model = load(&backend, &models, HOT_MODEL)?;
     check_output(&infer_once(model.as_ref(), &hot_ref)?, &hot_ref, "in-process")?;
     let n = sample_size(model.as_ref(), &hot_ref)?;
-    println!("hot_path: {HOT_MODEL}, x FP32 {:?}, N = {n} requests per row, C = {CONCURRENCY}", hot_ref.shape);
+    println!(
+        "hot_path: {HOT_MODEL}, x FP32 {:?}, N = {n} requests per row, C = {CONCURRENCY}",
+        hot_ref.shape
+    );
     println!("ONNX Runtime: {dylib}");
     let input = Tensor::new("x", hot_ref.shape.clone(), TensorData::Fp32(hot_ref.input.clone()));
     let direct = |c: usize, label: &str| {
         let (model, input) = (model.clone(), input.clone());
-        measure(label, n, c, || Ok(()), move |_: &mut ()| {
-            model.infer(vec![input.clone()], &[]).map(drop).map_err(|e| anyhow::anyhow!("{e}"))
-        })
+        measure(
+            label,
+            n,
+            c,
+            || Ok(()),
+            move |_: &mut ()| {
+                model.infer(vec![input.clone()], &[]).map(drop).map_err(|e| anyhow::anyhow!("{e}"))
+            },
+        )
     };
     let ip1 = direct(1, "in-process ORT")?;
     let ip4 = direct(CONCURRENCY, "in-process ORT")?;
@@ -76,31 +85,51 @@ fn main() -> anyhow::Result<()> {
     let json_body = serde_json::to_vec(&infer_body(&hot_ref))?;
     let (bin_body, bin_header_len) = binary_body(&hot_ref);
     // The first request loads the model; check both encodings once.
-    let first = client().post(&infer_url).header("content-type", "application/json").body(json_body.clone()).send()?;
+    let first = client()
+        .post(&infer_url)
+        .header("content-type", "application/json")
+        .body(json_body.clone())
+        .send()?;
     ensure!(first.status() == 200, "first infer: {} {}", first.status(), first.text()?);
     check_output(&common::floats(&first.json::<Value>()?["outputs"][0]["data"]), &hot_ref, "server JSON")?;
-    check_output(&binary_output(send_binary(&client(), &infer_url, &bin_body, bin_header_len)?)?, &hot_ref, "server binary")?;
+    check_output(
+        &binary_output(send_binary(&client(), &infer_url, &bin_body, bin_header_len)?)?,
+        &hot_ref,
+        "server binary",
+    )?;
 
     let http = |c: usize, label: &str, body: &[u8], binary: bool| {
         let (url, body) = (infer_url.clone(), body.to_vec());
-        measure(label, n, c, || Ok(client()), move |cl: &mut reqwest::blocking::Client| {
-            let resp = if binary {
-                send_binary(cl, &url, &body, bin_header_len)?
-            } else {
-                cl.post(&url).header("content-type", "application/json").body(body.clone()).send()?
-            };
-            ensure!(resp.status() == 200, "infer: {}", resp.status());
-            resp.bytes()?;
-            Ok(())
-        })
+        measure(
+            label,
+            n,
+            c,
+            || Ok(client()),
+            move |cl: &mut reqwest::blocking::Client| {
+                let resp = if binary {
+                    send_binary(cl, &url, &body, bin_header_len)?
+                } else {
+                    cl.post(&url).header("content-type", "application/json").body(body.clone()).send()?
+                };
+                ensure!(resp.status() == 200, "infer: {}", resp.status());
+                resp.bytes()?;
+                Ok(())
+            },
+        )
     };
     let health_url = server.url("/v2/health/live");
-    let floor = measure("HTTP floor: GET /v2/health/live", n, 1, || Ok(client()), |cl| {
-        let resp = cl.get(&health_url).send()?;
-        ensure!(resp.status() == 200, "health: {}", resp.status());
-        resp.bytes()?;
-        Ok(())
-    })?;
+    let floor = measure(
+        "HTTP floor: GET /v2/health/live",
+        n,
+        1,
+        || Ok(client()),
+        |cl| {
+            let resp = cl.get(&health_url).send()?;
+            ensure!(resp.status() == 200, "health: {}", resp.status());
+            resp.bytes()?;
+            Ok(())
+        },
+    )?;
     let sj1 = http(1, "server HTTP JSON", &json_body, false)?;
     let sb1 = http(1, "server HTTP binary", &bin_body, true)?;
     let sj4 = http(CONCURRENCY, "server HTTP JSON", &json_body, false)?;
@@ -117,9 +146,15 @@ fn main() -> anyhow::Result<()> {
     let status = server.terminate();
     ensure!(status.success(), "the server exited with {status} after SIGTERM");
 
-    print_report(&[&ip1, &ip4, &floor, &sj1, &sb1, &sj4, &sb4], &[(&ip1, &sj1), (&ip1, &sb1), (&ip4, &sj4), (&ip4, &sb4)]);
+    print_report(
+        &[&ip1, &ip4, &floor, &sj1, &sb1, &sj4, &sb4],
+        &[(&ip1, &sj1), (&ip1, &sb1), (&ip4, &sj4), (&ip4, &sb4)],
+    );
     print_ttfr(&raw, &served);
-    println!("\n(total bench time {:.1} s; server stopped with SIGTERM: {status})", started.elapsed().as_secs_f64());
+    println!(
+        "\n(total bench time {:.1} s; server stopped with SIGTERM: {status})",
+        started.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 
@@ -134,7 +169,8 @@ fn server_config(models: &Path) -> String {
 }
 
 fn load(backend: &OrtBackend, models: &Path, name: &str) -> anyhow::Result<Arc<dyn LoadedModel>> {
-    let spec = LoadSpec { name: name.into(), path: models.join(name), device: Device::Cpu, intra_op_threads: 0 };
+    let spec =
+        LoadSpec { name: name.into(), path: models.join(name), device: Device::Cpu, intra_op_threads: 0 };
     backend.load(&spec).map_err(|e| anyhow::anyhow!("{e}"))
 }
 
@@ -336,7 +372,8 @@ fn server_first_response(
     ensure!(status == 200, "{name}: {status} {}", String::from_utf8_lossy(&bytes));
     let v: Value = serde_json::from_slice(&bytes)?;
     check_output(&common::floats(&v["outputs"][0]["data"]), &r, name)?;
-    let unload = cl.post(server.url(&format!("/v2/repository/models/{name}/unload"))).json(&json!({})).send()?;
+    let unload =
+        cl.post(server.url(&format!("/v2/repository/models/{name}/unload"))).json(&json!({})).send()?;
     ensure!(unload.status() == 200, "unload {name}: {}", unload.status());
     eprintln!("  first response, server {name}: {:.1} ms", ms(total));
     Ok(FirstResponse { model: name.into(), total, load: None })
@@ -365,10 +402,7 @@ fn print_report(rows: &[&Row], pairs: &[(&Row, &Row)]) {
         );
     }
     println!("\nServer vs in-process (same run)");
-    println!(
-        "{:<34} {:>2} {:>10} {:>12} {:>12}",
-        "", "C", "req/s ratio", "p50 +µs", "p99 +µs"
-    );
+    println!("{:<34} {:>2} {:>10} {:>12} {:>12}", "", "C", "req/s ratio", "p50 +µs", "p99 +µs");
     for (base, srv) in pairs {
         println!(
             "{:<34} {:>2} {:>10.3}x {:>12.1} {:>12.1}",

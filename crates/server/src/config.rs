@@ -14,6 +14,7 @@ use std::{
 
 use serde::Deserialize;
 use snooze_core::{
+    pressure::Thresholds,
     units::{parse_bytes, parse_duration, KeepAlive, MemorySize},
     Device,
 };
@@ -25,6 +26,7 @@ pub const DEFAULT_CONFIG: &str = include_str!("default.toml");
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum Scalar {
+    Bool(bool),
     Str(String),
     Int(i64),
     Float(f64),
@@ -33,6 +35,7 @@ pub enum Scalar {
 impl fmt::Display for Scalar {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            Scalar::Bool(b) => write!(f, "{b}"),
             Scalar::Str(s) => f.write_str(s),
             Scalar::Int(i) => write!(f, "{i}"),
             Scalar::Float(x) => write!(f, "{x}"),
@@ -70,6 +73,12 @@ pub struct RawServer {
     pub intra_op_threads: Option<Scalar>,
     pub max_embedding_inputs: Option<Scalar>,
     pub max_input_chars: Option<Scalar>,
+    pub memory_warning_threshold: Option<Scalar>,
+    pub memory_critical_threshold: Option<Scalar>,
+    pub memory_emergency_threshold: Option<Scalar>,
+    pub memory_check_interval: Option<Scalar>,
+    pub low_ram_mode: Option<Scalar>,
+    pub admin_token: Option<Scalar>,
 }
 
 impl RawServer {
@@ -93,7 +102,13 @@ impl RawServer {
             max_request_size,
             intra_op_threads,
             max_embedding_inputs,
-            max_input_chars
+            max_input_chars,
+            memory_warning_threshold,
+            memory_critical_threshold,
+            memory_emergency_threshold,
+            memory_check_interval,
+            low_ram_mode,
+            admin_token
         );
     }
 }
@@ -152,6 +167,11 @@ pub struct ServerSettings {
     pub intra_op_threads: usize,
     pub max_embedding_inputs: usize,
     pub max_input_chars: usize,
+    pub thresholds: Thresholds,
+    pub memory_check_interval: Duration,
+    pub low_ram_mode: bool,
+    /// Bearer token admin writes need; `None` = open.
+    pub admin_token: Option<String>,
 }
 
 /// A validated model entry.
@@ -186,7 +206,8 @@ fn err(key: &str, reason: impl fmt::Display) -> ConfigError {
 
 /// Parses TOML text; unknown keys and wrong types are errors naming the key.
 pub fn parse_file(text: &str, origin: &str) -> Result<FileConfig, ConfigError> {
-    toml::from_str(text).map_err(|e| ConfigError(format!("invalid config {origin}: {}", e.to_string().trim())))
+    toml::from_str(text)
+        .map_err(|e| ConfigError(format!("invalid config {origin}: {}", e.to_string().trim())))
 }
 
 /// Validates `file` with `overrides` (flags/env) on top; `base` resolves relative paths.
@@ -208,19 +229,32 @@ pub fn resolve(
     };
     let count = |key: &str, v: &Option<Scalar>, default: &str| {
         let text = get(v, default);
-        text.trim().parse::<usize>().map_err(|_| err(&format!("[server] {key}"), format!("'{text}' is not a whole number >= 0")))
+        text.trim()
+            .parse::<usize>()
+            .map_err(|_| err(&format!("[server] {key}"), format!("'{text}' is not a whole number >= 0")))
+    };
+    let fraction = |key: &str, v: &Option<Scalar>, default: &str| {
+        let text = get(v, default);
+        match text.trim().parse::<f64>() {
+            Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
+            _ => Err(err(&format!("[server] {key}"), format!("'{text}' is not a fraction in (0, 1]"))),
+        }
     };
     let limit_text = get(&s.host_memory_limit, "auto");
     let host_memory_limit = if limit_text.trim() == "auto" {
         MemoryLimit::Auto
     } else {
         MemoryLimit::Size(
-            MemorySize::parse(&limit_text).map_err(|e| err("[server] host_memory_limit", format!("{e} (or \"auto\")")))?,
+            MemorySize::parse(&limit_text)
+                .map_err(|e| err("[server] host_memory_limit", format!("{e} (or \"auto\")")))?,
         )
     };
     let http_address = get(&s.http_address, "127.0.0.1:8080");
     if http_address.parse::<std::net::SocketAddr>().is_err() {
-        return Err(err("[server] http_address", format!("'{http_address}' is not an address like \"127.0.0.1:8080\"")));
+        return Err(err(
+            "[server] http_address",
+            format!("'{http_address}' is not an address like \"127.0.0.1:8080\""),
+        ));
     }
     let keep_alive_text = get(&s.keep_alive, "5m");
     let server = ServerSettings {
@@ -238,7 +272,23 @@ pub fn resolve(
         intra_op_threads: count("intra_op_threads", &s.intra_op_threads, "0")?,
         max_embedding_inputs: count("max_embedding_inputs", &s.max_embedding_inputs, "256")?,
         max_input_chars: count("max_input_chars", &s.max_input_chars, "100000")?,
+        thresholds: Thresholds {
+            warning: fraction("memory_warning_threshold", &s.memory_warning_threshold, "0.80")?,
+            critical: fraction("memory_critical_threshold", &s.memory_critical_threshold, "0.95")?,
+            emergency: fraction("memory_emergency_threshold", &s.memory_emergency_threshold, "0.98")?,
+        },
+        memory_check_interval: duration("memory_check_interval", &s.memory_check_interval, "5s")?,
+        low_ram_mode: match get(&s.low_ram_mode, "false").as_str() {
+            "true" | "1" => true,
+            "false" | "0" => false,
+            other => return Err(err("[server] low_ram_mode", format!("'{other}' is not true or false"))),
+        },
+        admin_token: s.admin_token.as_ref().map(|t| t.to_string()).filter(|t| !t.is_empty()),
     };
+    server.thresholds.validate().map_err(|e| err("[server] memory_*_threshold", e))?;
+    if server.memory_check_interval < Duration::from_millis(10) {
+        return Err(err("[server] memory_check_interval", "must be at least 10ms"));
+    }
     if server.retry_after.is_zero() {
         return Err(err("[server] retry_after", "must be at least 1s"));
     }
@@ -261,15 +311,28 @@ pub fn resolve(
     Ok(Config { server, models })
 }
 
-fn model_settings(name: &str, raw: &RawModel, server: &ServerSettings, base: &Path) -> Result<ModelSettings, ConfigError> {
+fn model_settings(
+    name: &str,
+    raw: &RawModel,
+    server: &ServerSettings,
+    base: &Path,
+) -> Result<ModelSettings, ConfigError> {
     let key = |k: &str| format!("[models.{name}] {k}");
     if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
-        return Err(err(&format!("[models.{name}]"), "a model name may hold only letters, digits, '-', '_' and '.'"));
+        return Err(err(
+            &format!("[models.{name}]"),
+            "a model name may hold only letters, digits, '-', '_' and '.'",
+        ));
     }
     let backend = match raw.backend.as_deref().unwrap_or("onnx") {
         "onnx" => Backend::Onnx,
         "candle" => Backend::Candle,
-        other => return Err(err(&key("backend"), format!("unknown backend '{other}' (expected \"onnx\" or \"candle\")"))),
+        other => {
+            return Err(err(
+                &key("backend"),
+                format!("unknown backend '{other}' (expected \"onnx\" or \"candle\")"),
+            ))
+        }
     };
     let path = raw.path.as_ref().ok_or_else(|| err(&key("path"), "missing: where is the model?"))?;
     let path = base.join(path);
@@ -291,7 +354,11 @@ fn model_settings(name: &str, raw: &RawModel, server: &ServerSettings, base: &Pa
     let devices = match &raw.devices {
         None => vec![Device::Cpu],
         Some(list) if list.is_empty() => return Err(err(&key("devices"), "must name at least one device")),
-        Some(list) => list.iter().map(|d| Device::parse(d)).collect::<Result<_, _>>().map_err(|e| err(&key("devices"), e))?,
+        Some(list) => list
+            .iter()
+            .map(|d| Device::parse(d))
+            .collect::<Result<_, _>>()
+            .map_err(|e| err(&key("devices"), e))?,
     };
     Ok(ModelSettings {
         name: name.to_string(),
@@ -309,8 +376,12 @@ fn model_settings(name: &str, raw: &RawModel, server: &ServerSettings, base: &Pa
 
 /// A model repository: every sub-folder holding `model.onnx` or `1/model.onnx`.
 pub fn discover(dir: &Path) -> Result<Vec<(String, PathBuf)>, ConfigError> {
-    let entries = std::fs::read_dir(dir)
-        .map_err(|e| err("model_dir", format!("cannot read {}: {e} (run `make prepare` for the demo models)", dir.display())))?;
+    let entries = std::fs::read_dir(dir).map_err(|e| {
+        err(
+            "model_dir",
+            format!("cannot read {}: {e} (run `make prepare` for the demo models)", dir.display()),
+        )
+    })?;
     let mut found = Vec::new();
     for entry in entries.flatten() {
         let path = entry.path();
@@ -328,7 +399,11 @@ mod tests {
     use super::*;
 
     fn dir() -> PathBuf {
-        let d = std::env::temp_dir().join(format!("snooze-config-{}-{:?}", std::process::id(), std::thread::current().id()));
+        let d = std::env::temp_dir().join(format!(
+            "snooze-config-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
         std::fs::create_dir_all(d.join("repo/a/1")).unwrap();
         std::fs::create_dir_all(d.join("repo/b")).unwrap();
         std::fs::create_dir_all(d.join("repo/not-a-model")).unwrap();
@@ -369,7 +444,10 @@ mod tests {
         let names: Vec<_> = c.models.iter().map(|m| m.name.as_str()).collect();
         assert_eq!(names, ["a", "b"]);
         let b = &c.models[1];
-        assert_eq!((b.memory, b.pinned, b.keep_alive), (Some(200 << 20), true, KeepAlive::For(Duration::ZERO)));
+        assert_eq!(
+            (b.memory, b.pinned, b.keep_alive),
+            (Some(200 << 20), true, KeepAlive::For(Duration::ZERO))
+        );
     }
 
     #[test]
@@ -386,6 +464,9 @@ mod tests {
             ("[models.x]\npath = \"repo/b\"\nmemory = \"lots\"", "[models.x] memory"),
             ("[models.x]\npath = \"repo/b\"\ncolour = \"red\"", "colour"),
             ("[models.x]\npath = \"repo/b\"\ndevices = [\"tpu\"]", "[models.x] devices"),
+            ("[server]\nmemory_warning_threshold = 1.5", "[server] memory_warning_threshold"),
+            ("[server]\nmemory_warning_threshold = 0.9\nmemory_critical_threshold = 0.85", "threshold"),
+            ("[server]\nlow_ram_mode = \"maybe\"", "[server] low_ram_mode"),
         ];
         for (text, key) in cases {
             let e = load(text, RawServer::default()).unwrap_err();

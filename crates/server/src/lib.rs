@@ -3,6 +3,7 @@
 //! [`ModelManager`] from a [`Config`]. The `snooze` binary is a thin CLI over this.
 
 pub mod config;
+pub mod dump;
 pub mod http;
 
 use std::{future::Future, sync::Arc, time::Duration};
@@ -56,6 +57,13 @@ impl Backends {
 /// Builds the model manager and the HTTP state from a validated config. Must run
 /// inside a tokio runtime.
 pub fn build(config: &Config) -> anyhow::Result<AppState> {
+    if config.server.low_ram_mode {
+        let tuned = snooze_core::memory::tune_allocator_for_low_ram();
+        tracing::info!(
+            tuned,
+            "low-RAM mode: one malloc arena, 64 KiB mmap threshold, trim after large requests"
+        );
+    }
     let backends = Backends::for_config(config)?;
     let probe = Arc::new(HostProbe::new());
     let snap = probe.snapshot();
@@ -135,6 +143,8 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
         intra_op_threads: s.intra_op_threads,
         probe,
         store: Some(Arc::new(snooze_core::learned::FootprintStore::open(&s.state_dir))),
+        thresholds: s.thresholds,
+        check_interval: s.memory_check_interval,
     });
     let memory = ServerMemory { budget_bytes: budget, baseline_bytes: baseline, limit_source: snap.source };
     Ok(AppState::new(manager, s.clone(), memory))
@@ -159,7 +169,10 @@ pub async fn serve(
             if drain.manager.shutdown(timeout).await {
                 tracing::info!("all models unloaded");
             } else {
-                tracing::warn!(timeout_s = timeout.as_secs_f64(), "requests still running at shutdown_timeout; exiting anyway");
+                tracing::warn!(
+                    timeout_s = timeout.as_secs_f64(),
+                    "requests still running at shutdown_timeout; exiting anyway"
+                );
             }
         })
         .await

@@ -30,6 +30,11 @@ enum Command {
         #[arg(long)]
         model_dir: Option<PathBuf>,
     },
+    /// Work with `/admin/memory/dump` snapshots.
+    Dump {
+        #[command(subcommand)]
+        command: DumpCommand,
+    },
     /// Print a model's footprint estimate and how it was derived.
     Estimate {
         /// A model file or folder.
@@ -38,6 +43,12 @@ enum Command {
         #[arg(long, value_parser = ["onnx", "candle"])]
         backend: Option<String>,
     },
+}
+
+#[derive(Subcommand)]
+enum DumpCommand {
+    /// Show what grew between two dumps (saved from GET /admin/memory/dump).
+    Diff { before: PathBuf, after: PathBuf },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -98,6 +109,24 @@ struct ServeArgs {
     /// Longest text (in characters) one embedding input may have [default: 100000].
     #[arg(long, env = "SNOOZE_MAX_INPUT_CHARS")]
     max_input_chars: Option<String>,
+    /// Share of the budget (RSS / budget) that raises a warning alert [default: 0.80].
+    #[arg(long, env = "SNOOZE_MEMORY_WARNING_THRESHOLD")]
+    memory_warning_threshold: Option<String>,
+    /// Share of the budget at which loads must evict first and low-priority requests get 503 [default: 0.95].
+    #[arg(long, env = "SNOOZE_MEMORY_CRITICAL_THRESHOLD")]
+    memory_critical_threshold: Option<String>,
+    /// Share of the budget at which every idle, unpinned model is unloaded [default: 0.98].
+    #[arg(long, env = "SNOOZE_MEMORY_EMERGENCY_THRESHOLD")]
+    memory_emergency_threshold: Option<String>,
+    /// How often the memory monitor reads the probe (also after every load) [default: 5s].
+    #[arg(long, env = "SNOOZE_MEMORY_CHECK_INTERVAL")]
+    memory_check_interval: Option<String>,
+    /// Tune glibc for small RAM (one arena, 64 KiB mmap threshold) and trim after large requests [default: false].
+    #[arg(long, env = "SNOOZE_LOW_RAM_MODE")]
+    low_ram_mode: Option<String>,
+    /// Bearer token required by admin writes (gc, repository load/unload); unset = open.
+    #[arg(long, env = "SNOOZE_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
     /// Log format.
     #[arg(long, env = "SNOOZE_LOG_FORMAT", value_enum, default_value = "text")]
     log_format: LogFormat,
@@ -122,15 +151,26 @@ impl ServeArgs {
             intra_op_threads: s(&self.intra_op_threads),
             max_embedding_inputs: s(&self.max_embedding_inputs),
             max_input_chars: s(&self.max_input_chars),
+            memory_warning_threshold: s(&self.memory_warning_threshold),
+            memory_critical_threshold: s(&self.memory_critical_threshold),
+            memory_emergency_threshold: s(&self.memory_emergency_threshold),
+            memory_check_interval: s(&self.memory_check_interval),
+            low_ram_mode: s(&self.low_ram_mode),
+            admin_token: s(&self.admin_token),
         }
     }
 }
 
-fn load_config(path: Option<&PathBuf>, overrides: RawServer, model_dir: Option<PathBuf>) -> anyhow::Result<config::Config> {
+fn load_config(
+    path: Option<&PathBuf>,
+    overrides: RawServer,
+    model_dir: Option<PathBuf>,
+) -> anyhow::Result<config::Config> {
     let cwd = std::env::current_dir()?;
     let (text, origin, base) = match path {
         Some(p) => {
-            let text = std::fs::read_to_string(p).map_err(|e| anyhow::anyhow!("cannot read config {}: {e}", p.display()))?;
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| anyhow::anyhow!("cannot read config {}: {e}", p.display()))?;
             let base = p.parent().map(|d| cwd.join(d)).unwrap_or_else(|| cwd.clone());
             (text, p.display().to_string(), base)
         }
@@ -153,7 +193,8 @@ fn init_logs(format: LogFormat) {
 
 async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+    else {
         return std::future::pending().await;
     };
     tokio::select! {
@@ -188,7 +229,9 @@ fn estimate(path: PathBuf, backend: Option<String>) -> anyhow::Result<()> {
         _ => Box::new(snooze_backend_ort::OrtBackend::new(None).map_err(anyhow::Error::msg)?),
     };
     let e = backend.estimate(&path);
-    let show = |b: Option<u64>| b.map_or("indeterminate".to_string(), |b| format!("{} ({b} bytes)", format_bytes(b)));
+    let show = |b: Option<u64>| {
+        b.map_or("indeterminate".to_string(), |b| format!("{} ({b} bytes)", format_bytes(b)))
+    };
     println!("model:    {}", path.display());
     println!("backend:  {}", backend.name());
     println!("steady:   {}", show(e.steady_bytes));
@@ -197,11 +240,26 @@ fn estimate(path: PathBuf, backend: Option<String>) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn dump_diff(before: PathBuf, after: PathBuf) -> anyhow::Result<()> {
+    let read = |p: &PathBuf| -> anyhow::Result<serde_json::Value> {
+        let text =
+            std::fs::read_to_string(p).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", p.display()))?;
+        serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{} is not a JSON dump: {e}", p.display()))
+    };
+    let rows = snooze_server::dump::diff(&read(&before)?, &read(&after)?);
+    print!("{}", snooze_server::dump::render(&rows));
+    Ok(())
+}
+
 fn check(path: PathBuf, model_dir: Option<PathBuf>) -> anyhow::Result<()> {
     let config = load_config(Some(&path), RawServer::default(), model_dir)?;
     println!("{}: ok", path.display());
     println!("listen:   {}", config.server.http_address);
-    println!("budget:   {:?}, headroom {}", config.server.host_memory_limit, format_bytes(config.server.headroom));
+    println!(
+        "budget:   {:?}, headroom {}",
+        config.server.host_memory_limit,
+        format_bytes(config.server.headroom)
+    );
     for m in &config.models {
         println!("model:    {} ({}, {})", m.name, m.backend.name(), m.path.display());
     }
@@ -220,6 +278,7 @@ fn main() -> ExitCode {
         }
         Command::Check { config, model_dir } => check(config, model_dir),
         Command::Estimate { path, backend } => estimate(path, backend),
+        Command::Dump { command: DumpCommand::Diff { before, after } } => dump_diff(before, after),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -50,7 +50,12 @@ fn check_accepts_a_good_config_and_names_the_bad_key() {
 fn flags_and_env_override_the_file() {
     let cfg = write("over.toml", "[server]\nkeep_alive = \"1m\"\n");
     // A bad value from the environment is reported under its key: env is read.
-    let out = snooze().args(["serve", "--config"]).arg(&cfg).env("SNOOZE_KEEP_ALIVE", "soon").output().expect("run");
+    let out = snooze()
+        .args(["serve", "--config"])
+        .arg(&cfg)
+        .env("SNOOZE_KEEP_ALIVE", "soon")
+        .output()
+        .expect("run");
     assert!(String::from_utf8_lossy(&out.stderr).contains("[server] keep_alive"));
     // A flag wins over the environment.
     let out = snooze()
@@ -83,8 +88,17 @@ fn help_documents_every_flag() {
     let out = snooze().args(["serve", "--help"]).output().expect("run");
     let help = String::from_utf8_lossy(&out.stdout);
     for flag in [
-        "--config", "--model-dir", "--http-address", "--host-memory-limit", "--headroom", "--keep-alive",
-        "--min-residency", "--max-loaded-models", "--retry-after", "--state-dir", "--shutdown-timeout",
+        "--config",
+        "--model-dir",
+        "--http-address",
+        "--host-memory-limit",
+        "--headroom",
+        "--keep-alive",
+        "--min-residency",
+        "--max-loaded-models",
+        "--retry-after",
+        "--state-dir",
+        "--shutdown-timeout",
         "--log-format",
     ] {
         assert!(help.contains(flag), "{flag} missing from --help");
@@ -94,7 +108,12 @@ fn help_documents_every_flag() {
 
 #[test]
 fn estimate_prints_the_derivation() {
-    let out = snooze().arg("estimate").arg(models_dir().join("mlp-400m")).env("ORT_DYLIB_PATH", ort_dylib()).output().expect("run");
+    let out = snooze()
+        .arg("estimate")
+        .arg(models_dir().join("mlp-400m"))
+        .env("ORT_DYLIB_PATH", ort_dylib())
+        .output()
+        .expect("run");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("steady:") && text.contains("peak:") && text.contains("external data"), "{text}");
@@ -108,8 +127,12 @@ fn model_dir_discovery_and_sigterm_exits_cleanly() {
     cmd.args(["serve", "--model-dir"]).arg(models_dir()).args(["--host-memory-limit", "2GiB"]);
     let s = Server::start_with(&mut cmd, &[], dir);
     let (_, index, _) = s.post("/v2/repository/index", &json!({}));
-    let names: Vec<&str> = index.as_array().expect("index").iter().map(|m| m["name"].as_str().expect("name")).collect();
-    assert!(names.contains(&"mlp-10m") && names.contains(&"mlp-100m-6") && names.contains(&"mlp-400m"), "{names:?}");
+    let names: Vec<&str> =
+        index.as_array().expect("index").iter().map(|m| m["name"].as_str().expect("name")).collect();
+    assert!(
+        names.contains(&"mlp-10m") && names.contains(&"mlp-100m-6") && names.contains(&"mlp-400m"),
+        "{names:?}"
+    );
     assert!(!names.contains(&"test"), "folders without model.onnx are not models");
     let r = reference("mlp-10m");
     assert_eq!(s.post("/v2/models/mlp-10m/infer", &infer_body(&r)).0, 200);

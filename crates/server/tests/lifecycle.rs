@@ -19,7 +19,10 @@ fn config() -> String {
         c += &format!("[models.m{i}]\npath = \"{}/mlp-100m-{i}\"\nmemory = \"100MiB\"\n", dir.display());
     }
     c += &format!("[models.big]\npath = \"{}/mlp-400m\"\n", dir.display());
-    c += &format!("[models.broken]\npath = \"{}/test/corrupt/model.onnx\"\nmemory = \"100MiB\"\n", dir.display());
+    c += &format!(
+        "[models.broken]\npath = \"{}/test/corrupt/model.onnx\"\nmemory = \"100MiB\"\n",
+        dir.display()
+    );
     c
 }
 
@@ -115,11 +118,13 @@ fn lru_evictions_refusals_and_memory_given_back() {
     // Unknown model, wrong shape, wrong datatype, unknown input / output.
     let (status, body, _) = s.post("/v2/models/nope/infer", &infer_body(&reference("mlp-100m-1")));
     assert_eq!((status, body["code"].as_str()), (404, Some("model_not_found")));
-    let bad_shape = json!({"inputs": [{"name": "x", "shape": [2, 128], "datatype": "FP32", "data": vec![0.0; 256]}]});
+    let bad_shape =
+        json!({"inputs": [{"name": "x", "shape": [2, 128], "datatype": "FP32", "data": vec![0.0; 256]}]});
     let (status, body, _) = s.post("/v2/models/m5/infer", &bad_shape);
     assert_eq!(status, 400);
     assert!(body["error"].as_str().expect("error").contains("'x'"), "{body}");
-    let bad_type = json!({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "INT32", "data": vec![0; 256]}]});
+    let bad_type =
+        json!({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "INT32", "data": vec![0; 256]}]});
     let (status, body, _) = s.post("/v2/models/m5/infer", &bad_type);
     assert!(status == 400 && body["error"].as_str().expect("error").contains("FP32"), "{body}");
     let bad_output = json!({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32", "data": vec![0.0; 256]}],
@@ -137,7 +142,11 @@ fn lru_evictions_refusals_and_memory_given_back() {
     assert!(ready_models(&s).is_empty());
     let rss_after = s.rss();
     let allowed = (rss_before / 10).max(30 << 20);
-    eprintln!("RSS before the first load {} MiB, after unloading everything {} MiB", rss_before >> 20, rss_after >> 20);
+    eprintln!(
+        "RSS before the first load {} MiB, after unloading everything {} MiB",
+        rss_before >> 20,
+        rss_after >> 20
+    );
     assert!(
         rss_after <= rss_before + allowed,
         "RSS {} MiB after unloading, {} MiB before the first load",
@@ -206,12 +215,15 @@ fn binary_tensor_data_round_trip_and_body_limit() {
         .send()
         .expect("infer");
     assert_eq!(resp.status(), 200);
-    let json_len: usize = resp.headers()["inference-header-content-length"].to_str().expect("ascii").parse().expect("n");
+    let json_len: usize =
+        resp.headers()["inference-header-content-length"].to_str().expect("ascii").parse().expect("n");
     let bytes = resp.bytes().expect("body");
     let head: Value = serde_json::from_slice(&bytes[..json_len]).expect("json head");
     assert_eq!(head["outputs"][0]["parameters"]["binary_data_size"], 2 * 256 * 4);
-    let out: Vec<f32> =
-        bytes[json_len..].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
+    let out: Vec<f32> = bytes[json_len..]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect();
     assert!(max_abs_diff(&out, &r.output) <= 1e-4);
 
     // Over max_request_size: 413 with our error shape.
@@ -248,7 +260,12 @@ fn every_datatype_round_trips_as_json() {
     assert_eq!(outputs.len(), 13);
     for out in outputs {
         let dt = out["datatype"].as_str().expect("datatype");
-        let want: Vec<Value> = sample(dt).as_array().expect("rows").iter().flat_map(|r| r.as_array().expect("row").clone()).collect();
+        let want: Vec<Value> = sample(dt)
+            .as_array()
+            .expect("rows")
+            .iter()
+            .flat_map(|r| r.as_array().expect("row").clone())
+            .collect();
         assert_eq!(out["data"], json!(want), "{dt}");
         assert_eq!(out["shape"], json!([2, 3]));
     }

@@ -25,11 +25,13 @@ struct Cgroup {
 
 impl Cgroup {
     fn create(limit: u64) -> Result<Cgroup, String> {
-        let own = fs::read_to_string("/proc/self/cgroup").map_err(|e| format!("no /proc/self/cgroup: {e}"))?;
+        let own =
+            fs::read_to_string("/proc/self/cgroup").map_err(|e| format!("no /proc/self/cgroup: {e}"))?;
         let name = format!("snooze-test-{}", std::process::id());
         for line in own.lines() {
             let mut parts = line.splitn(3, ':');
-            let (_, controllers, path) = (parts.next(), parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+            let (_, controllers, path) =
+                (parts.next(), parts.next().unwrap_or(""), parts.next().unwrap_or(""));
             let rel = path.trim_start_matches('/');
             if controllers.split(',').any(|c| c == "memory") {
                 let dir = PathBuf::from("/sys/fs/cgroup/memory").join(rel).join(&name);
@@ -81,7 +83,10 @@ impl Cgroup {
     }
 
     fn failcnt(&self) -> u64 {
-        fs::read_to_string(self.dir.join("memory.failcnt")).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
+        fs::read_to_string(self.dir.join("memory.failcnt"))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0)
     }
 
     /// A command that joins this cgroup, then execs `program`.
@@ -123,12 +128,16 @@ fn never_oom_killed_under_a_real_memory_limit() {
     let cg = match Cgroup::create(LIMIT) {
         Ok(cg) => cg,
         Err(reason) => {
-            eprintln!("SKIPPED never_oom_killed_under_a_real_memory_limit: memory cgroups unavailable: {reason}");
+            eprintln!(
+                "SKIPPED never_oom_killed_under_a_real_memory_limit: memory cgroups unavailable: {reason}"
+            );
             return;
         }
     };
     let dir = models_dir();
-    let mut config = String::from("[server]\nhost_memory_limit = \"auto\"\nretry_after = \"1s\"\nmin_residency = \"1s\"\n");
+    let mut config = String::from(
+        "[server]\nhost_memory_limit = \"auto\"\nretry_after = \"1s\"\nmin_residency = \"1s\"\n",
+    );
     for i in 1..=6 {
         config += &format!("[models.m{i}]\npath = \"{}/mlp-100m-{i}\"\n", dir.display());
     }
@@ -162,7 +171,11 @@ fn never_oom_killed_under_a_real_memory_limit() {
                     loop {
                         tries += 1;
                         assert!(tries <= 200, "request for m{} never served", m + 1);
-                        let r = http.post(s.url(&format!("/v2/models/m{}/infer", m + 1))).json(&body).send().expect("send");
+                        let r = http
+                            .post(s.url(&format!("/v2/models/m{}/infer", m + 1)))
+                            .json(&body)
+                            .send()
+                            .expect("send");
                         match r.status().as_u16() {
                             200 => {
                                 let v: serde_json::Value = r.json().expect("json");
@@ -172,7 +185,11 @@ fn never_oom_killed_under_a_real_memory_limit() {
                                 break;
                             }
                             503 => {
-                                let after: u64 = r.headers()["retry-after"].to_str().expect("ascii").parse().expect("seconds");
+                                let after: u64 = r.headers()["retry-after"]
+                                    .to_str()
+                                    .expect("ascii")
+                                    .parse()
+                                    .expect("seconds");
                                 assert!(after >= 1);
                                 refused.fetch_add(1, Ordering::Relaxed);
                                 std::thread::sleep(Duration::from_secs(after));
@@ -185,9 +202,14 @@ fn never_oom_killed_under_a_real_memory_limit() {
         }
     });
     let (_, admin) = s.get("/admin/models");
-    let loads: u64 = admin["models"].as_array().expect("models").iter().map(|m| m["loads"].as_u64().unwrap_or(0)).sum();
-    let evictions: u64 =
-        admin["models"].as_array().expect("models").iter().map(|m| m["evictions"].as_u64().unwrap_or(0)).sum();
+    let loads: u64 =
+        admin["models"].as_array().expect("models").iter().map(|m| m["loads"].as_u64().unwrap_or(0)).sum();
+    let evictions: u64 = admin["models"]
+        .as_array()
+        .expect("models")
+        .iter()
+        .map(|m| m["evictions"].as_u64().unwrap_or(0))
+        .sum();
     eprintln!(
         "cgroup {} MiB: {} requests served, {} refusals (503) retried, {loads} loads, {evictions} evictions, \
          peak usage {} MiB, failcnt {}, oom_kill {}, {:.1}s",
@@ -226,7 +248,12 @@ fn load_unload_cycles_do_not_grow_rss_and_footprints_survive_restart() {
     }
     let last = s.rss();
     eprintln!("RSS after 1 load/unload cycle {} MiB, after 200 {} MiB", first >> 20, last >> 20);
-    assert!(last < first + (30 << 20), "RSS grew from {} MiB to {} MiB over 200 cycles", first >> 20, last >> 20);
+    assert!(
+        last < first + (30 << 20),
+        "RSS grew from {} MiB to {} MiB over 200 cycles",
+        first >> 20,
+        last >> 20
+    );
     assert_eq!(s.model("m")["loads"], 200);
     let measured = s.model("m")["footprint_measured_bytes"].as_u64().expect("measured");
     drop(s);
@@ -237,7 +264,11 @@ fn load_unload_cycles_do_not_grow_rss_and_footprints_survive_restart() {
     let m = s.model("m");
     assert_eq!(m["state"], "unloaded");
     assert!(m["footprint_measured_bytes"].as_u64().is_some_and(|b| b > 50 << 20), "{m}");
-    eprintln!("learned footprint {} MiB (last run measured {} MiB)", m["footprint_measured_bytes"].as_u64().unwrap_or(0) >> 20, measured >> 20);
+    eprintln!(
+        "learned footprint {} MiB (last run measured {} MiB)",
+        m["footprint_measured_bytes"].as_u64().unwrap_or(0) >> 20,
+        measured >> 20
+    );
     drop(s);
     let _ = fs::remove_dir_all(&state);
 }

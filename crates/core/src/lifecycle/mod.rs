@@ -26,6 +26,7 @@ pub use slot::{ModelPolicy, ModelSlot, ModelStatus, SlotState, StateName};
 use crate::{
     backend::{Device, LoadError},
     error::{ErrorKind, SnoozeError},
+    pressure::PressureLevel,
     units::KeepAlive,
 };
 use plan::Plan;
@@ -105,6 +106,9 @@ pub enum Event {
     UnloadIdle { req: RequestId, include_pinned: bool, reason: UnloadReason },
     /// Refuse new work from now on; waiting callers are refused.
     Shutdown,
+    /// The memory pressure level changed (rule 8). Emergency unloads every idle,
+    /// unpinned model; critical makes loads pay for themselves with evictions.
+    Pressure(PressureLevel),
 }
 
 /// What a load took, as the shell measured it (`None` where it could not).
@@ -137,6 +141,7 @@ pub struct Scheduler {
     queues: BTreeMap<Device, VecDeque<ModelId>>,
     available: BTreeMap<Device, u64>,
     shutting_down: bool,
+    pressure: PressureLevel,
     actions: Vec<Action>,
 }
 
@@ -148,6 +153,7 @@ impl Scheduler {
             queues: BTreeMap::new(),
             available: BTreeMap::new(),
             shutting_down: false,
+            pressure: PressureLevel::Normal,
             actions: Vec::new(),
         }
     }
@@ -190,6 +196,10 @@ impl Scheduler {
         self.config.budgets.get(device).copied().unwrap_or(0)
     }
 
+    pub fn pressure(&self) -> PressureLevel {
+        self.pressure
+    }
+
     pub fn is_shutting_down(&self) -> bool {
         self.shutting_down
     }
@@ -229,6 +239,16 @@ impl Scheduler {
                 self.push(Action::Reply { req, result: Ok(()) });
             }
             Event::Shutdown => self.on_shutdown(),
+            Event::Pressure(level) => {
+                self.pressure = level;
+                if level == PressureLevel::Emergency {
+                    for id in 0..self.slots.len() {
+                        if self.slots[id].idle().is_some() && !self.slots[id].policy.pinned {
+                            self.begin_unload(id, UnloadReason::Pressure);
+                        }
+                    }
+                }
+            }
         }
         self.pump(now);
         std::mem::take(&mut self.actions)
@@ -509,6 +529,7 @@ impl Scheduler {
                 match self.plan(model, &device, now) {
                     Plan::Load => {
                         self.pop(&device);
+                        self.slots[model].evicted_for = 0;
                         let reserved = self.slots[model].admission_bytes().unwrap_or(0);
                         self.slots[model].state = SlotState::Loading { device: device.clone(), reserved };
                         self.push(Action::StartLoad { model, device: device.clone() });
@@ -516,12 +537,14 @@ impl Scheduler {
                     }
                     Plan::Evict(victims) => {
                         for v in victims {
+                            self.slots[model].evicted_for += self.slots[v].resident_bytes();
                             self.begin_unload(v, UnloadReason::Evicted);
                         }
                         break;
                     }
                     Plan::Refuse(err) => {
                         self.pop(&device);
+                        self.slots[model].evicted_for = 0;
                         let next = self.device_index(model, &device) + 1;
                         let s = &mut self.slots[model];
                         if next < s.policy.devices.len() && s.policy.cpu_fallback {

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use crate::{
     backend::Device,
     error::{ErrorKind, SnoozeError},
+    pressure::PressureLevel,
     units::format_bytes as fb,
 };
 
@@ -35,8 +36,12 @@ impl Scheduler {
         let cap = self.config.max_loaded_models;
         let need = slot.admission_bytes();
 
+        // Under critical pressure a load must be paid for by evictions (rule 8).
+        let critical = self.pressure >= PressureLevel::Critical;
+        let already_paid = slot.evicted_for;
         let fits = |freed: u64, evicted: usize| {
-            let count_ok = cap == 0 || resident - evicted < cap;
+            let paid = !critical || need.is_none_or(|n| freed + already_paid >= n);
+            let count_ok = paid && (cap == 0 || resident - evicted < cap);
             let mem_ok = need.is_none_or(|n| {
                 let n = n.saturating_add(headroom);
                 n <= budget_free.saturating_add(freed) && n <= probe_free.saturating_add(freed)
@@ -139,13 +144,18 @@ impl Scheduler {
                 ErrorKind::InsufficientMemory,
                 format!(
                     "model '{name}' needs {what} on {device} but only {} is free (budget {}, in use {}: \
-                     baseline {}{}{}) and nothing idle can be evicted; retry later",
+                     baseline {}{}{}) and nothing idle can be evicted{}; retry later",
                     fb(budget_free.min(probe_free)),
                     fb(budget),
                     fb(accounted),
                     fb(baseline),
                     if busy.is_empty() { "" } else { ", " },
-                    busy.join(", ")
+                    busy.join(", "),
+                    if critical {
+                        " (memory pressure is critical: loads must be paid for by evictions)"
+                    } else {
+                        ""
+                    }
                 ),
             )
             .retry_after(self.config.retry_after),

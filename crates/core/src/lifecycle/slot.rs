@@ -118,6 +118,8 @@ pub struct ModelSlot {
     pub evictions: u64,
     pub(super) failures: u32,
     pub(super) oom_retries: u32,
+    /// Bytes evicted to make room for this model's pending load.
+    pub(super) evicted_for: u64,
     pub last_load: Option<Duration>,
     pub last_error: Option<String>,
 }
@@ -138,6 +140,7 @@ impl ModelSlot {
             evictions: 0,
             failures: 0,
             oom_retries: 0,
+            evicted_for: 0,
             last_load: None,
             last_error: None,
         }

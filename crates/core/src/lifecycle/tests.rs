@@ -165,7 +165,7 @@ fn rule1_concurrent_first_requests_cause_one_load() {
     assert!(a2.is_empty() && a3.is_empty(), "later ones join its waiters");
     let done = h.settle(a1);
     let granted: Vec<_> =
-        done.iter().filter_map(|a| matches!(a, Action::Grant { .. }).then_some(a)).collect();
+        done.iter().filter(|a| matches!(a, Action::Grant { .. })).collect();
     assert_eq!(granted.len(), 3);
     for r in [r1, r2, r3] {
         assert!(done.contains(&Action::Grant { req: r, model: 0 }));
@@ -586,4 +586,34 @@ fn measured_footprint_replaces_the_estimate_in_accounting() {
     assert_eq!(st.footprint_peak_measured_bytes, Some(210 * MB));
     assert_eq!(st.last_load, Some(Duration::from_millis(50)));
     assert_eq!(h.s.slot(0).admission_bytes(), Some(210 * MB), "the learned peak guards the next load");
+}
+
+#[test]
+fn rule8_critical_pressure_makes_loads_evict_first() {
+    let mut h = Harness::new(1000, &[("a", 100), ("b", 100), ("c", 100)]);
+    h.call("a").unwrap();
+    h.feed(Event::Pressure(crate::pressure::PressureLevel::Critical));
+    h.at(1.0);
+    h.call("b").unwrap();
+    assert_eq!(h.evictions(), ["a"], "b fits the budget, but under critical pressure it evicts first");
+    h.use_model("b").unwrap();
+    let e = h.call("c").unwrap_err();
+    assert!(e.message.contains("critical"), "{}", e.message);
+}
+
+#[test]
+fn rule8_emergency_unloads_every_idle_unpinned_model() {
+    let mut h = Harness::with(1000, &[("a", 100), ("b", 100), ("p", 100)], |p| p.pinned = p.name == "p");
+    h.call("a").unwrap();
+    h.call("p").unwrap();
+    h.use_model("b").unwrap();
+    let a = h.feed(Event::Pressure(crate::pressure::PressureLevel::Emergency));
+    let unloaded: Vec<_> = a
+        .iter()
+        .filter_map(|x| match x {
+            Action::StartUnload { model, reason: UnloadReason::Pressure, .. } => Some(*model),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(unloaded, [0], "a only: b is leased, p is pinned");
 }

@@ -41,9 +41,10 @@ pub fn split_body<'a>(body: &'a [u8], header_len: Option<&str>) -> Result<(&'a [
     match header_len {
         None => Ok((body, &[])),
         Some(v) => {
-            let n: usize = v.trim().parse().map_err(|_| {
-                bad(format!("Inference-Header-Content-Length '{v}' is not a byte count"))
-            })?;
+            let n: usize = v
+                .trim()
+                .parse()
+                .map_err(|_| bad(format!("Inference-Header-Content-Length '{v}' is not a byte count")))?;
             if n > body.len() {
                 return Err(bad(format!(
                     "Inference-Header-Content-Length is {n} but the body has only {} bytes",
@@ -112,7 +113,8 @@ fn flatten(value: Value, out: &mut Vec<Value>) {
 fn from_json(name: &str, dtype: DataType, value: Value, count: usize) -> Result<TensorData, SnoozeError> {
     let mut flat = Vec::with_capacity(count);
     flatten(value, &mut flat);
-    let wrong = |i: usize, v: &Value| bad(format!("input '{name}' element {i}: {v} is not a valid {dtype} value"));
+    let wrong =
+        |i: usize, v: &Value| bad(format!("input '{name}' element {i}: {v} is not a valid {dtype} value"));
     macro_rules! ints {
         ($variant:ident, $t:ty) => {
             TensorData::$variant(
@@ -131,14 +133,20 @@ fn from_json(name: &str, dtype: DataType, value: Value, count: usize) -> Result<
     macro_rules! floats {
         ($variant:ident, $conv:expr) => {
             TensorData::$variant(
-                flat.iter().enumerate().map(|(i, v)| v.as_f64().map($conv).ok_or_else(|| wrong(i, v))).collect::<Result<_, _>>()?,
+                flat.iter()
+                    .enumerate()
+                    .map(|(i, v)| v.as_f64().map($conv).ok_or_else(|| wrong(i, v)))
+                    .collect::<Result<_, _>>()?,
             )
         };
     }
     Ok(match dtype {
-        DataType::Bool => {
-            TensorData::Bool(flat.iter().enumerate().map(|(i, v)| v.as_bool().ok_or_else(|| wrong(i, v))).collect::<Result<_, _>>()?)
-        }
+        DataType::Bool => TensorData::Bool(
+            flat.iter()
+                .enumerate()
+                .map(|(i, v)| v.as_bool().ok_or_else(|| wrong(i, v)))
+                .collect::<Result<_, _>>()?,
+        ),
         DataType::Uint8 => ints!(Uint8, u8),
         DataType::Uint16 => ints!(Uint16, u16),
         DataType::Uint32 => ints!(Uint32, u32),
@@ -147,7 +155,7 @@ fn from_json(name: &str, dtype: DataType, value: Value, count: usize) -> Result<
         DataType::Int16 => ints!(Int16, i16),
         DataType::Int32 => ints!(Int32, i32),
         DataType::Int64 => ints!(Int64, i64),
-        DataType::Fp16 => floats!(Fp16, |x| half::f16::from_f64(x)),
+        DataType::Fp16 => floats!(Fp16, half::f16::from_f64),
         DataType::Fp32 => floats!(Fp32, |x| x as f32),
         DataType::Fp64 => floats!(Fp64, |x| x),
         DataType::Bytes => TensorData::Bytes(
@@ -204,7 +212,10 @@ fn from_binary(name: &str, dtype: DataType, bytes: &[u8], count: usize) -> Resul
                     .ok_or_else(|| bad(format!("input '{name}': truncated BYTES length prefix")))?;
                 let len = u32::from_le_bytes(*len) as usize;
                 if len > tail.len() {
-                    return Err(bad(format!("input '{name}': a BYTES element claims {len} bytes, {} remain", tail.len())));
+                    return Err(bad(format!(
+                        "input '{name}': a BYTES element claims {len} bytes, {} remain",
+                        tail.len()
+                    )));
                 }
                 items.push(tail[..len].to_vec());
                 rest = &tail[len..];
@@ -321,10 +332,12 @@ mod tests {
 
     #[test]
     fn json_nested_and_flat_data_decode_row_major() {
-        let mut r = request(r#"{"inputs":[{"name":"x","shape":[2,2],"datatype":"INT32","data":[[1,2],[3,4]]}]}"#);
+        let mut r =
+            request(r#"{"inputs":[{"name":"x","shape":[2,2],"datatype":"INT32","data":[[1,2],[3,4]]}]}"#);
         let t = decode_inputs(&mut r, &[]).unwrap();
         assert_eq!(t[0].data, TensorData::Int32(vec![1, 2, 3, 4]));
-        let mut r = request(r#"{"inputs":[{"name":"x","shape":[3],"datatype":"BYTES","data":["a","","é"]}]}"#);
+        let mut r =
+            request(r#"{"inputs":[{"name":"x","shape":[3],"datatype":"BYTES","data":["a","","é"]}]}"#);
         let t = decode_inputs(&mut r, &[]).unwrap();
         assert_eq!(t[0].data, TensorData::Bytes(vec![b"a".to_vec(), vec![], "é".as_bytes().to_vec()]));
     }
@@ -377,10 +390,12 @@ mod tests {
 
     #[test]
     fn binary_size_mismatches_are_rejected() {
-        let json = r#"{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","parameters":{"binary_data_size":8}}]}"#;
+        let json =
+            r#"{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","parameters":{"binary_data_size":8}}]}"#;
         assert!(decode_inputs(&mut request(json), &[0; 4]).unwrap_err().message.contains("'x'"));
         assert!(decode_inputs(&mut request(json), &[0; 12]).unwrap_err().message.contains("no input claims"));
-        let json = r#"{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","parameters":{"binary_data_size":4}}]}"#;
+        let json =
+            r#"{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","parameters":{"binary_data_size":4}}]}"#;
         assert!(decode_inputs(&mut request(json), &[0; 4]).unwrap_err().message.contains("need 8"));
         assert!(split_body(b"{}", Some("9")).is_err());
         assert!(split_body(b"{}", Some("x")).is_err());
@@ -388,7 +403,9 @@ mod tests {
 
     #[test]
     fn binary_output_selection() {
-        let r = request(r#"{"inputs":[],"outputs":[{"name":"a","parameters":{"binary_data":true}},{"name":"b"}]}"#);
+        let r = request(
+            r#"{"inputs":[],"outputs":[{"name":"a","parameters":{"binary_data":true}},{"name":"b"}]}"#,
+        );
         assert!(wants_binary(&r, "a") && !wants_binary(&r, "b"));
         let r = request(r#"{"inputs":[],"parameters":{"binary_data_output":true}}"#);
         assert!(wants_binary(&r, "anything"));

@@ -13,12 +13,13 @@ use axum::{
 };
 use serde_json::json;
 use snooze_core::{
-    lifecycle::StateName, ErrorKind, InferError, ModelInfo, ModelSignature, SnoozeError, Tensor,
+    lifecycle::StateName, ErrorKind, ModelInfo, ModelSignature, Priority, SnoozeError, Tensor,
 };
 
 use super::{
     body_error,
     codec::{self, InferRequest, InferResponse, JsonData, RequestOutput, ResponseOutput},
+    memory::require_admin,
     ok_json, AppError, AppState,
 };
 
@@ -71,7 +72,9 @@ fn metadata(info: &ModelInfo) -> Result<Response, AppError> {
         SnoozeError::new(ErrorKind::ModelFailed, format!("cannot read model '{}': {e}", info.name))
     })?;
     let specs = |v: &[snooze_core::TensorSpec]| {
-        v.iter().map(|s| json!({"name": s.name, "datatype": s.datatype, "shape": s.shape})).collect::<Vec<_>>()
+        v.iter()
+            .map(|s| json!({"name": s.name, "datatype": s.datatype, "shape": s.shape}))
+            .collect::<Vec<_>>()
     };
     Ok(ok_json(json!({
         "name": info.name,
@@ -116,7 +119,10 @@ async fn model_ready(State(s): State<AppState>, Path(m): Path<String>) -> Result
     ready(&s, &m, None).await
 }
 
-async fn model_ready_v(State(s): State<AppState>, Path((m, v)): Path<(String, String)>) -> Result<Response, AppError> {
+async fn model_ready_v(
+    State(s): State<AppState>,
+    Path((m, v)): Path<(String, String)>,
+) -> Result<Response, AppError> {
     ready(&s, &m, Some(&v)).await
 }
 
@@ -160,50 +166,46 @@ async fn run_infer(
         validate(name, sig, &inputs, &req.outputs)?;
     }
     let wanted: Vec<String> = req.outputs.iter().map(|o| o.name.clone()).collect();
-    let outputs = run_model(state, name, move |m| m.infer(inputs, &wanted)).await?;
-    Ok(encode(name, &req, &outputs))
-}
-
-/// Takes a lease (loading the model if needed) and runs `f` on a blocking thread.
-pub async fn run_model<T: Send + 'static>(
-    state: &AppState,
-    name: &str,
-    f: impl FnOnce(&dyn snooze_core::LoadedModel) -> Result<T, InferError> + Send + 'static,
-) -> Result<T, SnoozeError> {
-    let lease = state.manager.acquire(name).await?;
-    let model = name.to_string();
-    let joined = tokio::task::spawn_blocking(move || {
-        let result = f(lease.model());
-        drop(lease);
-        result
-    })
-    .await;
-    match joined {
-        Ok(result) => result.map_err(|e| infer_error(&model, e)),
-        Err(_) => Err(SnoozeError::new(ErrorKind::Inference, format!("model '{model}' panicked during inference"))),
+    let outputs = state.manager.infer(name, priority(headers), inputs, wanted).await?;
+    let response = encode(name, &req, &outputs);
+    if state.settings.low_ram_mode && body.len() >= LARGE_REQUEST {
+        drop((body, req, outputs));
+        tokio::task::spawn_blocking(snooze_core::memory::trim_heap);
     }
+    Ok(response)
 }
 
-pub fn infer_error(model: &str, e: InferError) -> SnoozeError {
-    match e {
-        InferError::InvalidInput(m) => SnoozeError::invalid(m),
-        InferError::OutOfMemory(m) => {
-            SnoozeError::new(ErrorKind::InsufficientMemory, format!("model '{model}' ran out of memory: {m}"))
-        }
-        InferError::Failed(m) => SnoozeError::new(ErrorKind::Inference, format!("model '{model}' failed: {m}")),
+/// In low-RAM mode the heap is trimmed after requests at least this large.
+const LARGE_REQUEST: usize = 1 << 20;
+
+/// `x-snooze-priority: low` marks work that may be refused under critical memory pressure.
+pub fn priority(headers: &HeaderMap) -> Priority {
+    match headers.get("x-snooze-priority").and_then(|v| v.to_str().ok()) {
+        Some(p) if p.eq_ignore_ascii_case("low") => Priority::Low,
+        _ => Priority::Normal,
     }
 }
 
 /// Checks names, datatypes and shapes against the model's declared signature.
-fn validate(name: &str, sig: &ModelSignature, inputs: &[Tensor], outputs: &[RequestOutput]) -> Result<(), SnoozeError> {
-    let list = |v: &[snooze_core::TensorSpec]| v.iter().map(|s| s.name.as_str()).collect::<Vec<_>>().join(", ");
+fn validate(
+    name: &str,
+    sig: &ModelSignature,
+    inputs: &[Tensor],
+    outputs: &[RequestOutput],
+) -> Result<(), SnoozeError> {
+    let list =
+        |v: &[snooze_core::TensorSpec]| v.iter().map(|s| s.name.as_str()).collect::<Vec<_>>().join(", ");
     let mut seen = HashSet::new();
     for t in inputs {
         if !seen.insert(t.name.as_str()) {
             return Err(SnoozeError::invalid(format!("input '{}' is given twice", t.name)));
         }
         let spec = sig.inputs.iter().find(|s| s.name == t.name).ok_or_else(|| {
-            SnoozeError::invalid(format!("model '{name}' has no input '{}' (inputs: {})", t.name, list(&sig.inputs)))
+            SnoozeError::invalid(format!(
+                "model '{name}' has no input '{}' (inputs: {})",
+                t.name,
+                list(&sig.inputs)
+            ))
         })?;
         spec.check(t).map_err(SnoozeError::invalid)?;
     }
@@ -267,7 +269,8 @@ fn optional_body<T: serde::de::DeserializeOwned + Default>(body: &[u8]) -> Resul
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(T::default());
     }
-    serde_json::from_slice(body).map_err(|e| SnoozeError::invalid(format!("the request body is not valid JSON: {e}")))
+    serde_json::from_slice(body)
+        .map_err(|e| SnoozeError::invalid(format!("the request body is not valid JSON: {e}")))
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -298,9 +301,11 @@ async fn repository_index(State(state): State<AppState>, body: Bytes) -> Result<
 async fn repository_load(
     State(state): State<AppState>,
     Path(m): Path<String>,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, AppError> {
     state.admit()?;
+    require_admin(&state, &headers)?;
     let _: serde_json::Value = optional_body::<Option<serde_json::Value>>(&body)?.unwrap_or_default();
     state.manager.load(&m).await?;
     Ok(ok_json(json!({})))
@@ -309,8 +314,10 @@ async fn repository_load(
 async fn repository_unload(
     State(state): State<AppState>,
     Path(m): Path<String>,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, AppError> {
+    require_admin(&state, &headers)?;
     let _: serde_json::Value = optional_body::<Option<serde_json::Value>>(&body)?.unwrap_or_default();
     state.manager.unload(&m).await?;
     Ok(ok_json(json!({})))

@@ -4,6 +4,7 @@
 pub mod admin;
 pub mod codec;
 pub mod kserve;
+pub mod memory;
 pub mod openai;
 
 use std::{
@@ -77,6 +78,7 @@ pub fn router(state: AppState) -> Router {
         .merge(kserve::routes())
         .merge(openai::routes())
         .merge(admin::routes())
+        .merge(memory::routes())
         .fallback(|| async { AppError(SnoozeError::new(ErrorKind::ModelNotFound, "no such endpoint")) })
         .with_state(state)
 }
@@ -104,7 +106,9 @@ pub fn status_of(e: &SnoozeError) -> StatusCode {
             StatusCode::SERVICE_UNAVAILABLE
         }
         ErrorKind::ModelFailed if e.retry_after.is_some() => StatusCode::SERVICE_UNAVAILABLE,
-        ErrorKind::ModelFailed | ErrorKind::Inference | ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        ErrorKind::ModelFailed | ErrorKind::Inference | ErrorKind::Internal => {
+            StatusCode::INTERNAL_SERVER_ERROR
+        }
         ErrorKind::Unauthorized => StatusCode::UNAUTHORIZED,
     }
 }
@@ -136,7 +140,10 @@ pub fn body_error(e: axum::extract::rejection::BytesRejection, limit: u64) -> Sn
     if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
         SnoozeError::new(
             ErrorKind::PayloadTooLarge,
-            format!("the request body is larger than max_request_size ({})", snooze_core::units::format_bytes(limit)),
+            format!(
+                "the request body is larger than max_request_size ({})",
+                snooze_core::units::format_bytes(limit)
+            ),
         )
     } else {
         SnoozeError::invalid(format!("cannot read the request body: {e}"))

@@ -15,7 +15,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use snooze_core::{EmbedInput, ErrorKind, InferError, SnoozeError};
 
-use super::{body_error, kserve::run_model, status_of, with_retry_after, AppState};
+use super::{body_error, kserve::priority, status_of, with_retry_after, AppState};
 
 pub fn routes() -> Router<AppState> {
     Router::new().route("/v1/embeddings", post(embeddings)).route("/v1/models", get(models))
@@ -42,10 +42,13 @@ impl IntoResponse for OpenAiError {
             ErrorKind::InvalidInput | ErrorKind::PayloadTooLarge => "invalid_request_error",
             ErrorKind::ModelNotFound => "invalid_request_error",
             ErrorKind::Unauthorized => "authentication_error",
-            ErrorKind::Overloaded | ErrorKind::InsufficientMemory | ErrorKind::ShuttingDown => "service_unavailable",
+            ErrorKind::Overloaded | ErrorKind::InsufficientMemory | ErrorKind::ShuttingDown => {
+                "service_unavailable"
+            }
             _ => "server_error",
         };
-        let body = json!({"error": {"message": e.message, "type": kind, "param": param, "code": e.kind.code()}});
+        let body =
+            json!({"error": {"message": e.message, "type": kind, "param": param, "code": e.kind.code()}});
         with_retry_after((status, Json(body)).into_response(), &e, std::time::Duration::from_secs(5))
     }
 }
@@ -65,7 +68,9 @@ struct EmbeddingsRequest {
 
 /// `str | [str] | [int] | [[int]]` → what the embedder takes.
 fn parse_input(v: Value, max_inputs: usize, max_chars: usize) -> Result<EmbedInput, OpenAiError> {
-    let too_many = |n: usize| invalid("input", format!("{n} inputs is more than the {max_inputs} allowed in one request"));
+    let too_many = |n: usize| {
+        invalid("input", format!("{n} inputs is more than the {max_inputs} allowed in one request"))
+    };
     let token = |v: &Value| {
         v.as_u64()
             .and_then(|t| u32::try_from(t).ok())
@@ -74,7 +79,10 @@ fn parse_input(v: Value, max_inputs: usize, max_chars: usize) -> Result<EmbedInp
     let check_text = |i: usize, s: &str| {
         let n = s.chars().count();
         if n > max_chars {
-            return Err(invalid("input", format!("input {i} has {n} characters, more than max_input_chars ({max_chars})")));
+            return Err(invalid(
+                "input",
+                format!("input {i} has {n} characters, more than max_input_chars ({max_chars})"),
+            ));
         }
         Ok(())
     };
@@ -99,12 +107,16 @@ fn parse_input(v: Value, max_inputs: usize, max_chars: usize) -> Result<EmbedInp
                 .enumerate()
                 .map(|(i, v)| match v {
                     Value::String(s) => check_text(i, &s).map(|_| s),
-                    other => Err(invalid("input", format!("input {i} is {other}, but the array holds strings"))),
+                    other => {
+                        Err(invalid("input", format!("input {i} is {other}, but the array holds strings")))
+                    }
                 })
                 .collect::<Result<_, _>>()?;
             Ok(EmbedInput::Texts(texts))
         }
-        Value::Number(_) => Ok(EmbedInput::TokenIds(vec![items.iter().map(token).collect::<Result<_, _>>()?])),
+        Value::Number(_) => {
+            Ok(EmbedInput::TokenIds(vec![items.iter().map(token).collect::<Result<_, _>>()?]))
+        }
         Value::Array(_) => {
             if items.len() > max_inputs {
                 return Err(too_many(items.len()));
@@ -113,8 +125,13 @@ fn parse_input(v: Value, max_inputs: usize, max_chars: usize) -> Result<EmbedInp
                 .iter()
                 .enumerate()
                 .map(|(i, v)| match v {
-                    Value::Array(ids) if !ids.is_empty() => ids.iter().map(token).collect::<Result<Vec<_>, _>>(),
-                    other => Err(invalid("input", format!("input {i} is {other}, but the array holds token-id arrays"))),
+                    Value::Array(ids) if !ids.is_empty() => {
+                        ids.iter().map(token).collect::<Result<Vec<_>, _>>()
+                    }
+                    other => Err(invalid(
+                        "input",
+                        format!("input {i} is {other}, but the array holds token-id arrays"),
+                    )),
                 })
                 .collect::<Result<_, _>>()?;
             Ok(EmbedInput::TokenIds(lists))
@@ -123,7 +140,11 @@ fn parse_input(v: Value, max_inputs: usize, max_chars: usize) -> Result<EmbedInp
     }
 }
 
-async fn embeddings(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, OpenAiError> {
+async fn embeddings(
+    State(state): State<AppState>,
+    headers: axum::http::HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, OpenAiError> {
     state.admit()?;
     let body = body.map_err(|e| body_error(e, state.settings.max_request_size))?;
     let req: EmbeddingsRequest = serde_json::from_slice(&body)
@@ -132,7 +153,10 @@ async fn embeddings(State(state): State<AppState>, body: Result<Bytes, BytesReje
         None | Some("float") => false,
         Some("base64") => true,
         Some(other) => {
-            return Err(invalid("encoding_format", format!("encoding_format '{other}' is not \"float\" or \"base64\"")))
+            return Err(invalid(
+                "encoding_format",
+                format!("encoding_format '{other}' is not \"float\" or \"base64\""),
+            ))
         }
     };
     let info = state.manager.info(&req.model).map_err(|e| OpenAiError(e, Some("model")))?;
@@ -145,7 +169,7 @@ async fn embeddings(State(state): State<AppState>, body: Result<Bytes, BytesReje
         Some(d) if d >= 1 => Some(d as usize),
         Some(d) => return Err(invalid("dimensions", format!("dimensions must be at least 1, got {d}"))),
     };
-    let result = run_model(&state, &req.model, move |m| {
+    let result = state.manager.run(&req.model, priority(&headers), move |m| {
         let e = m.as_embedder().ok_or_else(|| InferError::InvalidInput("this model does not produce embeddings".into()))?;
         if let Some(d) = dimensions {
             if d > e.dimensions() {
@@ -218,7 +242,7 @@ mod tests {
         assert_eq!(p(json!([[1], [2, 3]])).unwrap(), EmbedInput::TokenIds(vec![vec![1], vec![2, 3]]));
         assert!(p(json!([])).unwrap_err().contains("empty"));
         assert!(p(json!(["a", 1])).unwrap_err().contains("input 1"));
-        assert!(p(json!(["a"; 5])).unwrap_err().contains("5 inputs"));
+        assert!(p(json!(vec!["a"; 5])).unwrap_err().contains("5 inputs"));
         assert!(p(json!("x".repeat(11))).unwrap_err().contains("max_input_chars"));
         assert!(p(json!([-1])).unwrap_err().contains("token ids"));
         assert!(p(json!({"a": 1})).unwrap_err().contains("string or an array"));

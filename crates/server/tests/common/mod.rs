@@ -48,7 +48,11 @@ impl Server {
         std::fs::create_dir_all(&dir).expect("temp dir");
         let config = dir.join("snooze.toml");
         std::fs::write(&config, config_toml).expect("write config");
-        Server::start_with(Command::new(env!("CARGO_BIN_EXE_snooze")).arg("serve").arg("--config").arg(&config), extra_args, dir)
+        Server::start_with(
+            Command::new(env!("CARGO_BIN_EXE_snooze")).arg("serve").arg("--config").arg(&config),
+            extra_args,
+            dir,
+        )
     }
 
     pub fn start_with(cmd: &mut Command, extra_args: &[&str], dir: PathBuf) -> Server {
@@ -109,7 +113,13 @@ impl Server {
     /// The admin entry of one model.
     pub fn model(&self, name: &str) -> Value {
         let (_, v) = self.get("/admin/models");
-        v["models"].as_array().expect("models").iter().find(|m| m["name"] == name).cloned().expect("model listed")
+        v["models"]
+            .as_array()
+            .expect("models")
+            .iter()
+            .find(|m| m["name"] == name)
+            .cloned()
+            .expect("model listed")
     }
 
     pub fn rss(&self) -> u64 {
@@ -165,8 +175,10 @@ pub struct Reference {
 
 pub fn reference(model: &str) -> Reference {
     let path = models_dir().join(model).join("reference.json");
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(path).expect("reference.json")).expect("json");
-    let floats = |v: &Value| v.as_array().expect("array").iter().map(|x| x.as_f64().expect("f64") as f32).collect();
+    let v: Value =
+        serde_json::from_str(&std::fs::read_to_string(path).expect("reference.json")).expect("json");
+    let floats =
+        |v: &Value| v.as_array().expect("array").iter().map(|x| x.as_f64().expect("f64") as f32).collect();
     Reference {
         shape: v["shape"].as_array().expect("shape").iter().map(|d| d.as_i64().expect("dim")).collect(),
         input: floats(&v["input"]["x"]),

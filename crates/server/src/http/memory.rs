@@ -1,0 +1,239 @@
+//! The memory admin API: what the server holds and why, on demand garbage collection,
+//! and a full snapshot to diff between two moments (`snooze dump diff`).
+
+use axum::{
+    extract::State,
+    http::HeaderMap,
+    response::Response,
+    routing::{get, post},
+    Router,
+};
+use serde_json::{json, Value};
+use snooze_core::{
+    lifecycle::ModelStatus, memory::MemoryProbe, units::format_bytes, ErrorKind, HostProbe, SnoozeError,
+};
+
+use super::{admin::rfc3339, ok_json, AppError, AppState};
+
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/admin/memory/stats", get(stats))
+        .route("/admin/memory/gc", post(gc))
+        .route("/admin/memory/dump", get(dump))
+}
+
+/// Admin writes need `Authorization: Bearer <admin_token>` when a token is set.
+pub fn require_admin(state: &AppState, headers: &HeaderMap) -> Result<(), SnoozeError> {
+    let Some(token) = &state.settings.admin_token else { return Ok(()) };
+    let given = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    // Constant-time comparison: do not leak the token's prefix through timing.
+    let ok = given.is_some_and(|g| {
+        g.len() == token.len() && g.bytes().zip(token.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    });
+    if ok {
+        Ok(())
+    } else {
+        Err(SnoozeError::new(
+            ErrorKind::Unauthorized,
+            "this admin endpoint needs 'Authorization: Bearer <admin_token>'",
+        ))
+    }
+}
+
+fn device_json(state: &AppState) -> Value {
+    let snap = HostProbe::new().snapshot();
+    let pressure = state.manager.pressure_state();
+    let accounted = pressure.history.back().map(|r| r.accounted_bytes);
+    json!({
+        "device": "cpu",
+        "limit_source": snap.source,
+        "total_bytes": snap.total_bytes,
+        "available_bytes": snap.available_bytes,
+        "process_bytes": snap.process_bytes,
+        "budget_bytes": state.memory.budget_bytes,
+        "baseline_bytes": state.memory.baseline_bytes,
+        "accounted_bytes": accounted,
+        "level": pressure.level,
+    })
+}
+
+/// Advice a user can act on, from what was measured.
+pub fn recommendations(models: &[ModelStatus], budget: u64, baseline: u64, headroom: u64) -> Vec<String> {
+    let mut out = Vec::new();
+    for m in models {
+        if let (Some(measured), Some(estimated)) = (m.footprint_measured_bytes, m.footprint_estimated_bytes) {
+            let ratio = measured as f64 / estimated.max(1) as f64;
+            if ratio > 1.5 {
+                out.push(format!(
+                    "model '{}' measured {ratio:.1}x its estimate ({} vs {}): set memory = \"{}MiB\" in its [models.{}] table",
+                    m.name,
+                    format_bytes(measured),
+                    format_bytes(estimated),
+                    (measured * 11 / 10) >> 20,
+                    m.name
+                ));
+            } else if ratio < 0.5 {
+                out.push(format!(
+                    "model '{}' measured only {ratio:.1}x its estimate ({} vs {}): memory = \"{}MiB\" would let more models stay loaded",
+                    m.name,
+                    format_bytes(measured),
+                    format_bytes(estimated),
+                    (measured * 11 / 10) >> 20
+                ));
+            }
+        }
+        let need = m.footprint_peak_measured_bytes.or(m.footprint_peak_estimated_bytes);
+        if let Some(need) = need {
+            if need + headroom > budget.saturating_sub(baseline) {
+                out.push(format!(
+                    "model '{}' needs {} (+ {} headroom) and can never fit the budget of {} ({} of it is the server's baseline): raise host_memory_limit or remove the model",
+                    m.name,
+                    format_bytes(need),
+                    format_bytes(headroom),
+                    format_bytes(budget),
+                    format_bytes(baseline)
+                ));
+            }
+        }
+    }
+    out
+}
+
+async fn stats(State(state): State<AppState>) -> Response {
+    let status = state.manager.status().await;
+    let pressure = state.manager.pressure_state();
+    let t = state.settings.thresholds;
+    ok_json(json!({
+        "devices": [device_json(&state)],
+        "level": pressure.level,
+        "thresholds": {"warning": t.warning, "critical": t.critical, "emergency": t.emergency},
+        "history": pressure.history,
+        "alerts": pressure.active_alerts().collect::<Vec<_>>(),
+        "recommendations": recommendations(&status, state.memory.budget_bytes, state.memory.baseline_bytes, state.settings.headroom),
+    }))
+}
+
+async fn gc(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, AppError> {
+    require_admin(&state, &headers)?;
+    let report = state.manager.gc(None).await;
+    Ok(ok_json(json!({"freed_bytes": report.freed_bytes, "models_unloaded": report.models_unloaded})))
+}
+
+/// glibc's own view of its heap.
+fn allocator() -> Value {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2 only reads glibc's allocator statistics.
+        let m = unsafe { libc::mallinfo2() };
+        json!({
+            "arena_bytes": m.arena,
+            "mmapped_bytes": m.hblkhd,
+            "in_use_bytes": m.uordblks,
+            "free_bytes": m.fordblks,
+            "trimmable_bytes": m.keepcost,
+            "free_chunks": m.ordblks,
+            "mmapped_chunks": m.hblks,
+        })
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    json!(null)
+}
+
+fn proc_status() -> Value {
+    let text = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let mut out = serde_json::Map::new();
+    for key in ["VmRSS", "VmHWM", "VmData", "RssAnon", "RssFile", "RssShmem", "Threads"] {
+        if let Some(v) = text.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(':')) {
+            let mut it = v.split_whitespace();
+            let n: u64 = it.next().and_then(|n| n.parse().ok()).unwrap_or(0);
+            let value = if it.next() == Some("kB") { n * 1024 } else { n };
+            out.insert(key.to_string(), json!(value));
+        }
+    }
+    Value::Object(out)
+}
+
+async fn dump(State(state): State<AppState>) -> Response {
+    let now = std::time::SystemTime::now();
+    let status = state.manager.status().await;
+    let models: Vec<Value> = status
+        .iter()
+        .map(|s| {
+            json!({
+                "name": s.name,
+                "state": s.state,
+                "device": s.device,
+                "pinned": s.pinned,
+                "leases": s.leases,
+                "loads": s.loads,
+                "evictions": s.evictions,
+                "footprint_estimated_bytes": s.footprint_estimated_bytes,
+                "footprint_measured_bytes": s.footprint_measured_bytes,
+                "footprint_peak_estimated_bytes": s.footprint_peak_estimated_bytes,
+                "footprint_peak_measured_bytes": s.footprint_peak_measured_bytes,
+                "last_load_ms": s.last_load.map(|d| d.as_millis() as u64),
+                "last_used_ago_ms": s.last_used_ago.map(|d| d.as_millis() as u64),
+                "unload_in_ms": s.unload_in.map(|d| d.as_millis() as u64),
+                "last_error": s.last_error,
+            })
+        })
+        .collect();
+    ok_json(json!({
+        "taken_at": rfc3339(now),
+        "models": models,
+        "leases_total": status.iter().map(|s| s.leases as u64).sum::<u64>(),
+        "probe": HostProbe::new().snapshot(),
+        "memory": device_json(&state),
+        "pressure": state.manager.pressure_state(),
+        "allocator": allocator(),
+        "process": proc_status(),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use snooze_core::lifecycle::StateName;
+
+    fn status(name: &str, est: u64, measured: Option<u64>) -> ModelStatus {
+        ModelStatus {
+            name: name.into(),
+            state: StateName::Ready,
+            device: None,
+            footprint_estimated_bytes: Some(est),
+            footprint_peak_estimated_bytes: Some(est),
+            footprint_measured_bytes: measured,
+            footprint_peak_measured_bytes: None,
+            leases: 0,
+            last_used_ago: None,
+            loaded_ago: None,
+            unload_in: None,
+            loads: 0,
+            evictions: 0,
+            last_load: None,
+            last_error: None,
+            pinned: false,
+        }
+    }
+
+    #[test]
+    fn recommendations_name_the_model_and_the_fix() {
+        let mb = 1 << 20;
+        let r = recommendations(
+            &[
+                status("x", 100 * mb, Some(230 * mb)),
+                status("ok", 100 * mb, Some(100 * mb)),
+                status("y", 900 * mb, None),
+            ],
+            600 * mb,
+            50 * mb,
+            10 * mb,
+        );
+        assert_eq!(r.len(), 2, "{r:?}");
+        assert!(r[0].contains("'x' measured 2.3x") && r[0].contains("memory = \"253MiB\""), "{}", r[0]);
+        assert!(r[1].contains("'y'") && r[1].contains("never fit"), "{}", r[1]);
+    }
+}
