@@ -164,8 +164,7 @@ fn rule1_concurrent_first_requests_cause_one_load() {
     assert_eq!(a1.len(), 1, "first request starts the load: {a1:?}");
     assert!(a2.is_empty() && a3.is_empty(), "later ones join its waiters");
     let done = h.settle(a1);
-    let granted: Vec<_> =
-        done.iter().filter(|a| matches!(a, Action::Grant { .. })).collect();
+    let granted: Vec<_> = done.iter().filter(|a| matches!(a, Action::Grant { .. })).collect();
     assert_eq!(granted.len(), 3);
     for r in [r1, r2, r3] {
         assert!(done.contains(&Action::Grant { req: r, model: 0 }));
