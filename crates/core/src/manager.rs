@@ -51,6 +51,8 @@ pub struct ManagerConfig {
     pub acquire_timeout: Duration,
     pub intra_op_threads: usize,
     pub probe: Arc<dyn MemoryProbe>,
+    /// One probe per GPU (NVML); empty on a machine without one.
+    pub gpu_probes: Vec<(Device, Arc<dyn MemoryProbe>)>,
     /// Where measured footprints are kept across runs; `None` = not kept.
     pub store: Option<Arc<FootprintStore>>,
     pub thresholds: Thresholds,
@@ -201,6 +203,7 @@ impl ModelManager {
             rx,
             drained: drained_tx,
             probe: config.probe,
+            gpu_probes: config.gpu_probes,
             intra_op_threads: config.intra_op_threads,
             load_started: HashMap::new(),
             pressure: pressure.clone(),
@@ -374,6 +377,7 @@ struct Actor {
     rx: mpsc::UnboundedReceiver<Command>,
     drained: watch::Sender<bool>,
     probe: Arc<dyn MemoryProbe>,
+    gpu_probes: Vec<(Device, Arc<dyn MemoryProbe>)>,
     intra_op_threads: usize,
     load_started: HashMap<ModelId, Instant>,
     pressure: Arc<Mutex<PressureState>>,
@@ -462,6 +466,14 @@ impl Actor {
         let _ = self
             .scheduler
             .handle(now(), Event::MemoryAvailable { device: Device::Cpu, bytes: snap.available_bytes });
+        for (device, probe) in &self.gpu_probes {
+            let bytes = probe.snapshot().available_bytes;
+            let _ = self.scheduler.handle(now(), Event::MemoryAvailable { device: device.clone(), bytes });
+        }
+    }
+
+    fn device_probe(&self, device: &Device) -> Option<Arc<dyn MemoryProbe>> {
+        self.gpu_probes.iter().find(|(d, _)| d == device).map(|(_, p)| p.clone())
     }
 
     /// A model whose files were unreadable fails fast — before anything is evicted for
@@ -584,11 +596,16 @@ impl Actor {
                     let instance = self.loaded.remove(&model);
                     let name = self.scheduler.slot(model).policy.name.clone();
                     let tx = self.tx.clone();
+                    let gpu = self.device_probe(&device);
                     tokio::task::spawn_blocking(move || {
                         let started = Instant::now();
                         let before = memory::process_rss_bytes();
+                        let gpu_before = gpu.as_ref().map(|p| p.snapshot().process_bytes);
                         drop(instance);
                         memory::trim_heap();
+                        if let (Some(probe), Some(held)) = (&gpu, gpu_before) {
+                            wait_for_gpu_release(probe.as_ref(), held, bytes);
+                        }
                         let freed = before.saturating_sub(memory::process_rss_bytes());
                         tracing::info!(
                             model = %name,
@@ -668,6 +685,20 @@ impl Actor {
             let _ = tx.send(Command::LoadDone { model, result, took: started.elapsed() });
         });
     }
+}
+
+/// GPU drivers free asynchronously: wait (bounded) until NVML shows most of the model's
+/// memory gone, so the next load's admission sees the truth.
+fn wait_for_gpu_release(probe: &dyn MemoryProbe, held_before: u64, bytes: u64) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        let released = held_before.saturating_sub(probe.snapshot().process_bytes);
+        if released >= bytes / 10 * 9 {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    tracing::warn!(bytes, "the GPU driver did not report the model's memory free within 5s");
 }
 
 async fn sleep_until(deadline: Option<Instant>) {

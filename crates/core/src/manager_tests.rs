@@ -135,6 +135,7 @@ fn setup(names: &[&str], keep_alive: KeepAlive) -> (ModelManager, Arc<FakeBacken
         acquire_timeout: Duration::from_secs(30),
         intra_op_threads: 1,
         probe: Arc::new(FakeProbe { free: free.clone() }),
+        gpu_probes: Vec::new(),
         store: None,
         thresholds: Default::default(),
         check_interval: Duration::from_secs(5),

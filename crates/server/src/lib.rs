@@ -4,6 +4,7 @@
 
 pub mod config;
 pub mod dump;
+pub mod gpu;
 pub mod http;
 
 use std::{future::Future, sync::Arc, time::Duration};
@@ -114,9 +115,17 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
             fingerprint: snooze_core::learned::fingerprint(&m.path),
         });
     }
+    let gpus = gpu::detect();
+    let mut budgets: std::collections::BTreeMap<Device, u64> = [(Device::Cpu, budget)].into();
+    let mut baselines: std::collections::BTreeMap<Device, u64> = [(Device::Cpu, baseline)].into();
+    for (device, probe) in &gpus {
+        let snap = probe.snapshot();
+        budgets.insert(device.clone(), snap.total_bytes.saturating_sub(s.headroom));
+        baselines.insert(device.clone(), snap.process_bytes);
+    }
     let scheduler = SchedulerConfig {
-        budgets: [(Device::Cpu, budget)].into(),
-        baselines: [(Device::Cpu, baseline)].into(),
+        budgets,
+        baselines,
         headroom: s.headroom,
         max_loaded_models: s.max_loaded_models,
         retry_after: s.retry_after,
@@ -142,6 +151,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
         acquire_timeout: s.acquire_timeout,
         intra_op_threads: s.intra_op_threads,
         probe,
+        gpu_probes: gpus,
         store: Some(Arc::new(snooze_core::learned::FootprintStore::open(&s.state_dir))),
         thresholds: s.thresholds,
         check_interval: s.memory_check_interval,
