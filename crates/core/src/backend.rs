@@ -146,6 +146,12 @@ pub trait LoadedModel: Send + Sync {
     fn as_embedder(&self) -> Option<&dyn Embedder> {
         None
     }
+    /// Memory one inference pass may add on top of what the load left resident
+    /// (activations, attention scores). Added to the measured footprint, which is read
+    /// right after the load, before any request ran.
+    fn working_bytes(&self) -> u64 {
+        0
+    }
 }
 
 /// An engine: reads model files, loads them, says what they will cost.

@@ -677,11 +677,14 @@ impl Actor {
                 });
             let after = memory::process_rss_bytes();
             let peak = memory::peak_rss_bytes();
-            let measured = LoadMeasurement {
-                steady: after.checked_sub(before).filter(|d| *d > 0),
-                peak: peak.and_then(|p| p.checked_sub(before)).filter(|d| *d > 0),
-            };
-            let result = result.map(|m| (m, measured));
+            let result = result.map(|m| {
+                let steady = after.checked_sub(before).filter(|d| *d > 0);
+                let measured = LoadMeasurement {
+                    steady: steady.map(|s| s + m.working_bytes()),
+                    peak: peak.and_then(|p| p.checked_sub(before)).filter(|d| *d > 0),
+                };
+                (m, measured)
+            });
             let _ = tx.send(Command::LoadDone { model, result, took: started.elapsed() });
         });
     }

@@ -148,11 +148,13 @@ impl ModelSlot {
 
     /// Bytes to find free before loading: the load-time peak when known.
     pub fn admission_bytes(&self) -> Option<u64> {
-        // The user's word, else what was measured, else what the files suggest.
+        // The user's word, else what was measured, else what the files suggest; of a
+        // source, the larger of its load peak and its resident figure.
+        let larger = |a: Option<u64>, b: Option<u64>| a.max(b);
         self.policy
             .memory
-            .or(self.learned_peak_bytes.or(self.learned_bytes))
-            .or(self.policy.estimate_peak.or(self.policy.estimate_steady))
+            .or(larger(self.learned_peak_bytes, self.learned_bytes))
+            .or(larger(self.policy.estimate_peak, self.policy.estimate_steady))
     }
 
     /// Bytes the model holds once loaded.
