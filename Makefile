@@ -11,7 +11,7 @@ STAMP   := $(VENV)/.stamp
 ORT_DYLIB_PATH = $(shell ls $(CURDIR)/$(VENV)/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime.so.1* 2>/dev/null | head -n1)
 export ORT_DYLIB_PATH
 
-.PHONY: run test prepare venv models build bench fmt lint clean
+.PHONY: run test prepare venv models build bench bench-embeddings fmt lint clean
 
 run: prepare
 	cargo build --release --bin snooze
@@ -40,8 +40,17 @@ $(MODELS)/.stamp: scripts/gen_models.py $(STAMP)
 	touch $@
 
 bench: prepare
-	cargo build --release --bin snooze --bench hot_path
-	$(PY) bench/run.py
+	cargo bench -p snooze-server --bench hot_path
+
+# sentence-transformers (torch, ~6 GB) lives in its own venv, outside `make test`.
+BENCH_PY := bench/.venv/bin/python
+$(BENCH_PY): bench/requirements-st.txt
+	$(PYTHON) -m venv bench/.venv
+	bench/.venv/bin/pip install --quiet -r bench/requirements-st.txt
+
+bench-embeddings: prepare $(BENCH_PY)
+	cargo build --release --bin snooze
+	$(BENCH_PY) bench/embeddings.py
 
 fmt:
 	cargo fmt --all
