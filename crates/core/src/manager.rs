@@ -198,6 +198,7 @@ impl ModelManager {
             store: config.store,
             loaded: HashMap::new(),
             replies: HashMap::new(),
+            wanted: HashMap::new(),
             next_req: 1,
             tx: tx.clone(),
             rx,
@@ -372,6 +373,8 @@ struct Actor {
     store: Option<Arc<FootprintStore>>,
     loaded: HashMap<ModelId, Arc<dyn LoadedModel>>,
     replies: HashMap<RequestId, Reply>,
+    /// The model each waiting acquire/load is for, to name it in refusal logs.
+    wanted: HashMap<RequestId, ModelId>,
     next_req: RequestId,
     tx: mpsc::UnboundedSender<Command>,
     rx: mpsc::UnboundedReceiver<Command>,
@@ -510,6 +513,7 @@ impl Actor {
                     self.refresh_probe();
                 }
                 self.replies.insert(req, Reply::Lease(reply));
+                self.wanted.insert(req, model);
                 Event::Acquire { req, model }
             }
             Command::Load { model, reply } => {
@@ -519,6 +523,7 @@ impl Actor {
                 }
                 self.refresh_probe();
                 let req = self.register(Reply::Unit(reply));
+                self.wanted.insert(req, model);
                 Event::Load { req, model }
             }
             Command::Unload { model, reply } => {
@@ -534,6 +539,7 @@ impl Actor {
             Command::Release { model } => Event::Release { model },
             Command::Cancel { req } => {
                 self.replies.remove(&req);
+                self.wanted.remove(&req);
                 Event::Cancel { req }
             }
             Command::LoadDone { model, result, took } => {
@@ -623,6 +629,7 @@ impl Actor {
                     });
                 }
                 Action::Grant { req, model } => {
+                    self.wanted.remove(&req);
                     let Some(Reply::Lease(reply)) = self.replies.remove(&req) else { continue };
                     let Some(instance) = self.loaded.get(&model).cloned() else {
                         tracing::error!(model, "granted a lease on a model that is not loaded");
@@ -633,9 +640,17 @@ impl Actor {
                     let _ = reply.send(Ok(lease));
                 }
                 Action::Reply { req, result } => {
-                    if let Err(e) = &result {
+                    let model = self.wanted.remove(&req);
+                    if let (Err(e), Some(model)) = (&result, model) {
                         if e.kind == ErrorKind::InsufficientMemory {
-                            tracing::warn!(reason = %e, "request refused");
+                            let slot = self.scheduler.slot(model);
+                            tracing::warn!(
+                                model = %slot.policy.name,
+                                bytes = slot.admission_bytes(),
+                                retry_after_ms = e.retry_after.map(|d| d.as_millis() as u64),
+                                reason = %e,
+                                "request refused: not enough memory"
+                            );
                         }
                     }
                     match self.replies.remove(&req) {

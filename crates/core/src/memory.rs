@@ -245,6 +245,22 @@ mod tests {
     }
 
     #[test]
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    fn low_ram_tuning_is_accepted_by_glibc() {
+        assert!(tune_allocator_for_low_ram());
+        let big = vec![1u8; 1 << 20]; // above the 64 KiB threshold: served by mmap
+        drop(big);
+        trim_heap();
+    }
+
+    #[test]
+    fn peak_rss_is_readable_and_resettable() {
+        reset_peak_rss();
+        let peak = peak_rss_bytes().expect("VmHWM");
+        assert!(peak >= process_rss_bytes() / 2);
+    }
+
+    #[test]
     fn host_probe_reads_this_machine() {
         let s = HostProbe::new().snapshot();
         assert!(s.total_bytes > 0 && s.available_bytes <= s.total_bytes);
