@@ -34,12 +34,14 @@ use snooze_core::{Backend, Device, LoadSpec, LoadedModel, Tensor, TensorData};
 
 const HOT_MODEL: &str = "mlp-10m";
 const CONCURRENCY: usize = 4;
-/// Calls before measuring, per row (spread over the threads).
-const WARM_UP: usize = 200;
 /// Time-to-first-response runs alternate raw / server, each on a model not loaded before.
 const RAW_TTFR_MODELS: [&str; 3] = ["mlp-100m-1", "mlp-100m-2", "mlp-100m-4"];
 const SERVER_TTFR_MODELS: [&str; 3] = ["mlp-100m-3", "mlp-100m-5", "mlp-100m-6"];
 const TOLERANCE: f32 = 1e-4;
+/// The hot-path rows are measured in this many interleaved slices.
+const ROUNDS: usize = 5;
+/// Calls before each measured slice (spread over the threads): connections, caches.
+const WARM_UP: usize = 50;
 
 fn main() -> anyhow::Result<()> {
     // `cargo bench` passes `--bench`; `cargo test --benches` does not: stay quick there.
@@ -53,33 +55,18 @@ fn main() -> anyhow::Result<()> {
     let backend = OrtBackend::new(None).map_err(anyhow::Error::msg)?;
     let started = Instant::now();
 
-    // 1. In-process baseline.
+    // 1. The in-process baseline and 2. the server, side by side.
     let model = load(&backend, &models, HOT_MODEL)?;
     check_output(&infer_once(model.as_ref(), &hot_ref)?, &hot_ref, "in-process")?;
     let n = sample_size(model.as_ref(), &hot_ref)?;
+    let cpus = std::thread::available_parallelism().map_or(0, usize::from);
     println!(
-        "hot_path: {HOT_MODEL}, x FP32 {:?}, N = {n} requests per row, C = {CONCURRENCY}",
-        hot_ref.shape
+        "hot_path: {HOT_MODEL}, x FP32 {:?}; N = {n} requests per row in {ROUNDS} interleaved rounds; \
+         C = {CONCURRENCY}; {cpus} CPUs, load average {}",
+        hot_ref.shape,
+        load_average()
     );
     println!("ONNX Runtime: {dylib}");
-    let input = Tensor::new("x", hot_ref.shape.clone(), TensorData::Fp32(hot_ref.input.clone()));
-    let direct = |c: usize, label: &str| {
-        let (model, input) = (model.clone(), input.clone());
-        measure(
-            label,
-            n,
-            c,
-            || Ok(()),
-            move |_: &mut ()| {
-                model.infer(vec![input.clone()], &[]).map(drop).map_err(|e| anyhow::anyhow!("{e}"))
-            },
-        )
-    };
-    let ip1 = direct(1, "in-process ORT")?;
-    let ip4 = direct(CONCURRENCY, "in-process ORT")?;
-    drop(model);
-
-    // 2. Through the server.
     let server = Server::start("bench", &server_config(&models), &[]);
     let infer_url = server.url(&format!("/v2/models/{HOT_MODEL}/infer"));
     let json_body = serde_json::to_vec(&infer_body(&hot_ref))?;
@@ -98,8 +85,21 @@ fn main() -> anyhow::Result<()> {
         "server binary",
     )?;
 
-    let http = |c: usize, label: &str, body: &[u8], binary: bool| {
-        let (url, body) = (infer_url.clone(), body.to_vec());
+    let input = Tensor::new("x", hot_ref.shape.clone(), TensorData::Fp32(hot_ref.input.clone()));
+    let direct = |c: usize, n: usize| {
+        let (model, input) = (model.clone(), input.clone());
+        measure(
+            "in-process ORT",
+            n,
+            c,
+            || Ok(()),
+            move |_: &mut ()| {
+                model.infer(vec![input.clone()], &[]).map(drop).map_err(|e| anyhow::anyhow!("{e}"))
+            },
+        )
+    };
+    let http = |label: &str, c: usize, n: usize, binary: bool| {
+        let (url, body) = (infer_url.clone(), if binary { bin_body.clone() } else { json_body.clone() });
         measure(
             label,
             n,
@@ -118,22 +118,43 @@ fn main() -> anyhow::Result<()> {
         )
     };
     let health_url = server.url("/v2/health/live");
-    let floor = measure(
-        "HTTP floor: GET /v2/health/live",
-        n,
-        1,
-        || Ok(client()),
-        |cl| {
-            let resp = cl.get(&health_url).send()?;
-            ensure!(resp.status() == 200, "health: {}", resp.status());
-            resp.bytes()?;
-            Ok(())
-        },
-    )?;
-    let sj1 = http(1, "server HTTP JSON", &json_body, false)?;
-    let sb1 = http(1, "server HTTP binary", &bin_body, true)?;
-    let sj4 = http(CONCURRENCY, "server HTTP JSON", &json_body, false)?;
-    let sb4 = http(CONCURRENCY, "server HTTP binary", &bin_body, true)?;
+    let floor = |n: usize| {
+        measure(
+            "HTTP floor: GET /v2/health/live",
+            n,
+            1,
+            || Ok(client()),
+            |cl| {
+                let resp = cl.get(&health_url).send()?;
+                ensure!(resp.status() == 200, "health: {}", resp.status());
+                resp.bytes()?;
+                Ok(())
+            },
+        )
+    };
+    // Every row gets a slice of each round, so a change in background load (other
+    // processes on the machine) hits the in-process and the server rows alike.
+    let per_round = n.div_ceil(ROUNDS);
+    let mut rows: Vec<Row> = Vec::new();
+    for round in 1..=ROUNDS {
+        eprintln!("  round {round}/{ROUNDS}: {per_round} requests per row");
+        let slices = [
+            direct(1, per_round)?,
+            http("server HTTP JSON", 1, per_round, false)?,
+            http("server HTTP binary", 1, per_round, true)?,
+            direct(CONCURRENCY, per_round)?,
+            http("server HTTP JSON", CONCURRENCY, per_round, false)?,
+            http("server HTTP binary", CONCURRENCY, per_round, true)?,
+            floor(per_round)?,
+        ];
+        if rows.is_empty() {
+            rows.extend(slices);
+        } else {
+            rows.iter_mut().zip(slices).for_each(|(row, slice)| row.merge(slice));
+        }
+    }
+    rows.iter_mut().for_each(|r| r.latencies.sort_unstable());
+    drop(model);
 
     // 3. Time to first response of an unloaded 100 MB model, alternating raw / server.
     let mut raw = Vec::new();
@@ -144,17 +165,15 @@ fn main() -> anyhow::Result<()> {
         served.push(server_first_response(&server, &cl, &models, server_model)?);
     }
     let status = server.terminate();
-    ensure!(status.success(), "the server exited with {status} after SIGTERM");
 
-    print_report(
-        &[&ip1, &ip4, &floor, &sj1, &sb1, &sj4, &sb4],
-        &[(&ip1, &sj1), (&ip1, &sb1), (&ip4, &sj4), (&ip4, &sb4)],
-    );
+    print_report(&rows);
     print_ttfr(&raw, &served);
     println!(
-        "\n(total bench time {:.1} s; server stopped with SIGTERM: {status})",
-        started.elapsed().as_secs_f64()
+        "\n(total bench time {:.1} s; load average at the end {}; server stopped with SIGTERM: {status})",
+        started.elapsed().as_secs_f64(),
+        load_average()
     );
+    ensure!(status.success(), "the server exited with {status} after SIGTERM");
     Ok(())
 }
 
@@ -196,10 +215,10 @@ fn sample_size(model: &dyn LoadedModel, r: &Reference) -> anyhow::Result<usize> 
         return Ok(n);
     }
     let t = Instant::now();
-    for _ in 0..WARM_UP {
+    for _ in 0..200 {
         infer_once(model, r)?;
     }
-    let per_call = t.elapsed().as_secs_f64() / WARM_UP as f64;
+    let per_call = t.elapsed().as_secs_f64() / 200.0;
     Ok(((3.0 / per_call) as usize).clamp(2000, 10_000))
 }
 
@@ -249,11 +268,16 @@ struct Row {
     label: String,
     concurrency: usize,
     wall: Duration,
-    /// Sorted per-call latencies.
+    /// Per-call latencies, sorted once every slice is in.
     latencies: Vec<Duration>,
 }
 
 impl Row {
+    fn merge(&mut self, slice: Row) {
+        self.wall += slice.wall;
+        self.latencies.extend(slice.latencies);
+    }
+
     fn rps(&self) -> f64 {
         self.latencies.len() as f64 / self.wall.as_secs_f64()
     }
@@ -307,16 +331,7 @@ fn measure<S>(
     for r in results {
         latencies.extend(r.map_err(|_| anyhow::anyhow!("{label}: a worker panicked"))??);
     }
-    latencies.sort_unstable();
-    let row = Row { label: label.to_string(), concurrency: c, wall, latencies };
-    eprintln!(
-        "  {:<34} C={c}: {:>8.0} req/s  p50 {:>7.0} µs  p99 {:>7.0} µs",
-        row.label,
-        row.rps(),
-        row.pct_us(50.0),
-        row.pct_us(99.0)
-    );
-    Ok(row)
+    Ok(Row { label: label.to_string(), concurrency: c, wall, latencies })
 }
 
 /// Time to first response of an unloaded model, split where the parts are known.
@@ -379,6 +394,11 @@ fn server_first_response(
     Ok(FirstResponse { model: name.into(), total, load: None })
 }
 
+fn load_average() -> String {
+    let text = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    text.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -388,7 +408,7 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v[v.len() / 2]
 }
 
-fn print_report(rows: &[&Row], pairs: &[(&Row, &Row)]) {
+fn print_report(rows: &[Row]) {
     println!("\nHot path ({HOT_MODEL}, one request = one [2,256] FP32 inference)");
     println!("{:<34} {:>2} {:>10} {:>10} {:>10}", "", "C", "req/s", "p50 µs", "p99 µs");
     for r in rows {
@@ -401,11 +421,13 @@ fn print_report(rows: &[&Row], pairs: &[(&Row, &Row)]) {
             r.pct_us(99.0)
         );
     }
-    println!("\nServer vs in-process (same run)");
-    println!("{:<34} {:>2} {:>10} {:>12} {:>12}", "", "C", "req/s ratio", "p50 +µs", "p99 +µs");
-    for (base, srv) in pairs {
+    println!("\nServer vs in-process, same C (same run)");
+    println!("{:<34} {:>2} {:>11} {:>10} {:>10}", "", "C", "req/s ratio", "p50 +µs", "p99 +µs");
+    let base = |c: usize| rows.iter().find(|r| r.label == "in-process ORT" && r.concurrency == c);
+    for srv in rows.iter().filter(|r| r.label.starts_with("server")) {
+        let Some(base) = base(srv.concurrency) else { continue };
         println!(
-            "{:<34} {:>2} {:>10.3}x {:>12.1} {:>12.1}",
+            "{:<34} {:>2} {:>10.3}x {:>+10.1} {:>+10.1}",
             srv.label,
             srv.concurrency,
             srv.rps() / base.rps(),
