@@ -264,3 +264,49 @@ async fn low_priority_is_refused_under_critical_pressure() {
     assert_eq!(e.kind, ErrorKind::InsufficientMemory);
     assert!(m.acquire_with("a", Priority::Normal).await.is_ok());
 }
+
+#[tokio::test]
+async fn a_full_gpu_falls_back_to_the_cpu_by_the_probe() {
+    // The GPU's budget would take the model, but its (fake) probe says 10 MB are free.
+    let free = Arc::new(AtomicU64::new(250 * MB));
+    let gpu_free = Arc::new(AtomicU64::new(10 * MB));
+    let backend = Arc::new(FakeBackend {
+        free: free.clone(),
+        loads: AtomicUsize::new(0),
+        fail: Mutex::new(None),
+        max_batch: Arc::new(AtomicU64::new(u64::MAX)),
+    });
+    let mut policy = ModelPolicy::new("g");
+    policy.devices = vec![Device::Cuda(0), Device::Cpu];
+    policy.estimate_steady = Some(100 * MB);
+    let entry = |policy: ModelPolicy| ModelEntry {
+        policy,
+        backend: backend.clone() as Arc<dyn Backend>,
+        path: PathBuf::from("/nowhere"),
+        signature: Ok(ModelSignature::default()),
+        preload: false,
+        fingerprint: String::new(),
+    };
+    let mut no_fallback = policy.clone();
+    no_fallback.name = "strict".into();
+    no_fallback.cpu_fallback = false;
+    let m = ModelManager::start(ManagerConfig {
+        scheduler: SchedulerConfig {
+            budgets: [(Device::Cpu, 1000 * MB), (Device::Cuda(0), 80_000 * MB)].into(),
+            ..SchedulerConfig::default()
+        },
+        models: vec![entry(policy), entry(no_fallback)],
+        acquire_timeout: Duration::from_secs(30),
+        intra_op_threads: 1,
+        probe: Arc::new(FakeProbe { free }),
+        gpu_probes: vec![(Device::Cuda(0), Arc::new(FakeProbe { free: gpu_free }) as Arc<dyn MemoryProbe>)],
+        store: None,
+        thresholds: Default::default(),
+        check_interval: Duration::from_secs(5),
+    });
+    drop(m.acquire("g").await.unwrap());
+    assert_eq!(m.status().await[0].device.as_deref(), Some("cpu"));
+    let e = m.acquire("strict").await.err().unwrap();
+    assert_eq!(e.kind, ErrorKind::InsufficientMemory);
+    assert!(e.message.contains("cuda:0"), "{}", e.message);
+}
