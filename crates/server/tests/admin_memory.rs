@@ -105,11 +105,11 @@ fn warning_records_an_alert_and_emergency_unloads_idle_models() {
     assert_eq!(s.model("a")["state"], "ready");
     drop(s);
 
-    // 1 GiB budget: the idle server (~40 MB) is under the warning line (6%); with the
+    // 1 GiB budget: the idle server (~40 MB) is under the warning line (8%); with the
     // 100 MB model loaded it is over the emergency line (11%).
     let s = Server::start(
         "pressure-emergency",
-        &config("host_memory_limit = \"1GiB\"\nmemory_warning_threshold = 0.06\nmemory_critical_threshold = 0.09\nmemory_emergency_threshold = 0.11"),
+        &config("host_memory_limit = \"1GiB\"\nmemory_warning_threshold = 0.08\nmemory_critical_threshold = 0.10\nmemory_emergency_threshold = 0.11"),
         &[],
     );
     assert_eq!(s.get("/admin/memory/stats").1["level"], "normal");
