@@ -23,11 +23,13 @@ use crate::config::{Backend as BackendKind, Config, MemoryLimit};
 pub use http::{router, AppState};
 
 /// The memory picture fixed at start.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Clone)]
 pub struct ServerMemory {
     pub budget_bytes: u64,
     pub baseline_bytes: u64,
     pub limit_source: LimitSource,
+    /// Each GPU NVML found, with its budget and probe.
+    pub gpus: Vec<(Device, u64, Arc<dyn MemoryProbe>)>,
 }
 
 /// The backends a config needs, created once. ONNX Runtime is only required when an
@@ -123,6 +125,8 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
         budgets.insert(device.clone(), snap.total_bytes.saturating_sub(s.headroom));
         baselines.insert(device.clone(), snap.process_bytes);
     }
+    let gpu_list: Vec<(Device, u64, Arc<dyn MemoryProbe>)> =
+        gpus.iter().map(|(d, p)| (d.clone(), budgets.get(d).copied().unwrap_or(0), p.clone())).collect();
     let scheduler = SchedulerConfig {
         budgets,
         baselines,
@@ -151,12 +155,17 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
         acquire_timeout: s.acquire_timeout,
         intra_op_threads: s.intra_op_threads,
         probe,
-        gpu_probes: gpus,
+        gpu_probes: gpus.clone(),
         store: Some(Arc::new(snooze_core::learned::FootprintStore::open(&s.state_dir))),
         thresholds: s.thresholds,
         check_interval: s.memory_check_interval,
     });
-    let memory = ServerMemory { budget_bytes: budget, baseline_bytes: baseline, limit_source: snap.source };
+    let memory = ServerMemory {
+        budget_bytes: budget,
+        baseline_bytes: baseline,
+        limit_source: snap.source,
+        gpus: gpu_list,
+    };
     Ok(AppState::new(manager, s.clone(), memory))
 }
 

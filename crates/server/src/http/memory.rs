@@ -43,11 +43,12 @@ pub fn require_admin(state: &AppState, headers: &HeaderMap) -> Result<(), Snooze
     }
 }
 
-fn device_json(state: &AppState) -> Value {
+/// The host, then every GPU: total, free, held by this process, budget.
+fn devices_json(state: &AppState) -> Vec<Value> {
     let snap = HostProbe::new().snapshot();
     let pressure = state.manager.pressure_state();
     let accounted = pressure.history.back().map(|r| r.accounted_bytes);
-    json!({
+    let mut out = vec![json!({
         "device": "cpu",
         "limit_source": snap.source,
         "total_bytes": snap.total_bytes,
@@ -57,7 +58,18 @@ fn device_json(state: &AppState) -> Value {
         "baseline_bytes": state.memory.baseline_bytes,
         "accounted_bytes": accounted,
         "level": pressure.level,
-    })
+    })];
+    for (device, budget, probe) in &state.memory.gpus {
+        let g = probe.snapshot();
+        out.push(json!({
+            "device": device.to_string(),
+            "total_bytes": g.total_bytes,
+            "available_bytes": g.available_bytes,
+            "process_bytes": g.process_bytes,
+            "budget_bytes": budget,
+        }));
+    }
+    out
 }
 
 /// Advice a user can act on, from what was measured.
@@ -107,7 +119,7 @@ async fn stats(State(state): State<AppState>) -> Response {
     let pressure = state.manager.pressure_state();
     let t = state.settings.thresholds;
     ok_json(json!({
-        "devices": [device_json(&state)],
+        "devices": devices_json(&state),
         "level": pressure.level,
         "thresholds": {"warning": t.warning, "critical": t.critical, "emergency": t.emergency},
         "history": pressure.history,
@@ -186,7 +198,7 @@ async fn dump(State(state): State<AppState>) -> Response {
         "models": models,
         "leases_total": status.iter().map(|s| s.leases as u64).sum::<u64>(),
         "probe": HostProbe::new().snapshot(),
-        "memory": device_json(&state),
+        "devices": devices_json(&state),
         "pressure": state.manager.pressure_state(),
         "allocator": allocator(),
         "process": proc_status(),
