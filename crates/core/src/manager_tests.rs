@@ -100,14 +100,18 @@ impl Backend for FakeBackend {
     }
 }
 
-fn setup(names: &[&str], keep_alive: KeepAlive) -> (ModelManager, Arc<FakeBackend>, Arc<AtomicU64>) {
-    let free = Arc::new(AtomicU64::new(250 * MB));
-    let backend = Arc::new(FakeBackend {
+fn fake_backend(free: &Arc<AtomicU64>) -> Arc<FakeBackend> {
+    Arc::new(FakeBackend {
         free: free.clone(),
         loads: AtomicUsize::new(0),
         fail: Mutex::new(None),
         max_batch: Arc::new(AtomicU64::new(u64::MAX)),
-    });
+    })
+}
+
+fn setup(names: &[&str], keep_alive: KeepAlive) -> (ModelManager, Arc<FakeBackend>, Arc<AtomicU64>) {
+    let free = Arc::new(AtomicU64::new(250 * MB));
+    let backend = fake_backend(&free);
     let models = names
         .iter()
         .map(|n| {
@@ -270,12 +274,7 @@ async fn a_full_gpu_falls_back_to_the_cpu_by_the_probe() {
     // The GPU's budget would take the model, but its (fake) probe says 10 MB are free.
     let free = Arc::new(AtomicU64::new(250 * MB));
     let gpu_free = Arc::new(AtomicU64::new(10 * MB));
-    let backend = Arc::new(FakeBackend {
-        free: free.clone(),
-        loads: AtomicUsize::new(0),
-        fail: Mutex::new(None),
-        max_batch: Arc::new(AtomicU64::new(u64::MAX)),
-    });
+    let backend = fake_backend(&free);
     let mut policy = ModelPolicy::new("g");
     policy.devices = vec![Device::Cuda(0), Device::Cpu];
     policy.estimate_steady = Some(100 * MB);
