@@ -25,7 +25,7 @@ use crate::{
         Action, Event, LoadMeasurement, ModelId, ModelPolicy, ModelStatus, RequestId, Scheduler,
         SchedulerConfig, UnloadReason,
     },
-    memory::{self, MemoryProbe},
+    memory::{self, MemoryProbe, MemorySnapshot},
     pressure::{MemoryReading, PressureLevel, PressureState, Thresholds},
     tensor::ModelSignature,
     units::format_bytes,
@@ -438,7 +438,7 @@ impl Actor {
 
     /// Reads the probe, records the reading and tells the scheduler if the level moved.
     fn check_pressure(&mut self) -> Vec<Action> {
-        let snap = self.probe.snapshot();
+        let snap = self.refresh_probe();
         let budget = self.scheduler.budget(&Device::Cpu);
         let reading = MemoryReading {
             unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
@@ -449,9 +449,7 @@ impl Actor {
             level: self.thresholds.level(snap.process_bytes, budget),
         };
         let level = self.pressure.lock().unwrap_or_else(|p| p.into_inner()).record(reading);
-        let mut actions = self
-            .scheduler
-            .handle(now(), Event::MemoryAvailable { device: Device::Cpu, bytes: snap.available_bytes });
+        let mut actions = Vec::new();
         // Emergency is re-applied at every reading: models that became idle since the
         // last one are unloaded too.
         if level != self.scheduler.pressure() || level == PressureLevel::Emergency {
@@ -464,15 +462,14 @@ impl Actor {
         actions
     }
 
-    fn refresh_probe(&mut self) {
+    /// Gives the scheduler fresh readings of every device; returns the host's.
+    fn refresh_probe(&mut self) -> MemorySnapshot {
         let snap = self.probe.snapshot();
-        let _ = self
-            .scheduler
-            .handle(now(), Event::MemoryAvailable { device: Device::Cpu, bytes: snap.available_bytes });
+        self.scheduler.observe_memory(Device::Cpu, snap.available_bytes);
         for (device, probe) in &self.gpu_probes {
-            let bytes = probe.snapshot().available_bytes;
-            let _ = self.scheduler.handle(now(), Event::MemoryAvailable { device: device.clone(), bytes });
+            self.scheduler.observe_memory(device.clone(), probe.snapshot().available_bytes);
         }
+        snap
     }
 
     fn device_probe(&self, device: &Device) -> Option<Arc<dyn MemoryProbe>> {

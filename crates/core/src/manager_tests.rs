@@ -109,6 +109,17 @@ fn fake_backend(free: &Arc<AtomicU64>) -> Arc<FakeBackend> {
     })
 }
 
+fn entry(backend: &Arc<FakeBackend>, policy: ModelPolicy) -> ModelEntry {
+    ModelEntry {
+        policy,
+        backend: backend.clone() as Arc<dyn Backend>,
+        path: PathBuf::from("/nowhere"),
+        signature: Ok(ModelSignature::default()),
+        preload: false,
+        fingerprint: String::new(),
+    }
+}
+
 fn setup(names: &[&str], keep_alive: KeepAlive) -> (ModelManager, Arc<FakeBackend>, Arc<AtomicU64>) {
     let free = Arc::new(AtomicU64::new(250 * MB));
     let backend = fake_backend(&free);
@@ -120,14 +131,7 @@ fn setup(names: &[&str], keep_alive: KeepAlive) -> (ModelManager, Arc<FakeBacken
             policy.estimate_peak = Some(100 * MB);
             policy.keep_alive = keep_alive;
             policy.min_residency = Duration::ZERO;
-            ModelEntry {
-                policy,
-                backend: backend.clone() as Arc<dyn Backend>,
-                path: PathBuf::from("/nowhere"),
-                signature: Ok(ModelSignature::default()),
-                preload: false,
-                fingerprint: String::new(),
-            }
+            entry(&backend, policy)
         })
         .collect();
     let manager = ModelManager::start(ManagerConfig {
@@ -278,14 +282,6 @@ async fn a_full_gpu_falls_back_to_the_cpu_by_the_probe() {
     let mut policy = ModelPolicy::new("g");
     policy.devices = vec![Device::Cuda(0), Device::Cpu];
     policy.estimate_steady = Some(100 * MB);
-    let entry = |policy: ModelPolicy| ModelEntry {
-        policy,
-        backend: backend.clone() as Arc<dyn Backend>,
-        path: PathBuf::from("/nowhere"),
-        signature: Ok(ModelSignature::default()),
-        preload: false,
-        fingerprint: String::new(),
-    };
     let mut no_fallback = policy.clone();
     no_fallback.name = "strict".into();
     no_fallback.cpu_fallback = false;
@@ -294,7 +290,7 @@ async fn a_full_gpu_falls_back_to_the_cpu_by_the_probe() {
             budgets: [(Device::Cpu, 1000 * MB), (Device::Cuda(0), 80_000 * MB)].into(),
             ..SchedulerConfig::default()
         },
-        models: vec![entry(policy), entry(no_fallback)],
+        models: vec![entry(&backend, policy), entry(&backend, no_fallback)],
         acquire_timeout: Duration::from_secs(30),
         intra_op_threads: 1,
         probe: Arc::new(FakeProbe { free }),

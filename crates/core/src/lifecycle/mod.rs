@@ -100,8 +100,6 @@ pub enum Event {
     LoadFinished { model: ModelId, result: Result<LoadMeasurement, LoadError>, took: Duration },
     /// An unload ended and its memory was given back.
     UnloadFinished { model: ModelId },
-    /// A fresh probe reading of what a device can still allocate.
-    MemoryAvailable { device: Device, bytes: u64 },
     /// Unload every idle model (pinned ones too when `include_pinned`); replied at once.
     UnloadIdle { req: RequestId, include_pinned: bool, reason: UnloadReason },
     /// Refuse new work from now on; waiting callers are refused.
@@ -186,6 +184,12 @@ impl Scheduler {
         self.slots[model].learned_peak_bytes = peak;
     }
 
+    /// Records a fresh probe reading of what `device` can still allocate. Not an event:
+    /// a reading decides nothing by itself, it is consulted by the next admission.
+    pub fn observe_memory(&mut self, device: Device, bytes: u64) {
+        self.available.insert(device, bytes);
+    }
+
     /// Bytes accounted on a device: baseline + every resident, loading or unloading model.
     pub fn accounted(&self, device: &Device) -> u64 {
         let models: u64 = self.slots.iter().filter_map(|s| s.held_on(device)).sum();
@@ -226,9 +230,6 @@ impl Scheduler {
             }
             Event::LoadFinished { model, result, took } => self.on_load_finished(now, model, result, took),
             Event::UnloadFinished { model } => self.on_unload_finished(now, model),
-            Event::MemoryAvailable { device, bytes } => {
-                self.available.insert(device, bytes);
-            }
             Event::UnloadIdle { req, include_pinned, reason } => {
                 for id in 0..self.slots.len() {
                     let s = &self.slots[id];

@@ -247,10 +247,10 @@ fn rule3_learned_footprint_is_preferred_to_the_estimate() {
 #[test]
 fn rule3_probe_free_memory_limits_admission() {
     let mut h = Harness::new(1000, &[("a", 100)]);
-    h.feed(Event::MemoryAvailable { device: Device::Cpu, bytes: 50 * MB });
+    h.s.observe_memory(Device::Cpu, 50 * MB);
     let e = h.call("a").unwrap_err();
     assert!(e.message.contains("50.0 MiB"), "{}", e.message);
-    h.feed(Event::MemoryAvailable { device: Device::Cpu, bytes: 500 * MB });
+    h.s.observe_memory(Device::Cpu, 500 * MB);
     h.call("a").unwrap();
 }
 

@@ -17,10 +17,7 @@ async fn models(State(state): State<AppState>) -> Response {
     let status = state.manager.status().await;
     let models: Vec<_> = status
         .iter()
-        .map(|s| {
-            let backend = state.manager.info(&s.name).map(|i| i.backend).unwrap_or("?");
-            model_json(s, backend, now)
-        })
+        .map(|s| model_json(s, state.manager.info(&s.name).map(|i| i.backend).unwrap_or("?"), now))
         .collect();
     let mem = &state.memory;
     ok_json(json!({
@@ -36,7 +33,8 @@ async fn models(State(state): State<AppState>) -> Response {
     }))
 }
 
-fn model_json(s: &ModelStatus, backend: &str, now: SystemTime) -> serde_json::Value {
+/// One model as the admin view and the memory dump show it.
+pub fn model_json(s: &ModelStatus, backend: &str, now: SystemTime) -> serde_json::Value {
     let before = |d: Option<Duration>| d.and_then(|d| now.checked_sub(d)).map(rfc3339);
     let after = |d: Option<Duration>| d.map(|d| rfc3339(now + d));
     json!({

@@ -306,7 +306,8 @@ async fn repository_load(
 ) -> Result<Response, AppError> {
     state.admit()?;
     require_admin(&state, &headers)?;
-    let _: serde_json::Value = optional_body::<Option<serde_json::Value>>(&body)?.unwrap_or_default();
+    // The body (parameters) is optional; when present it must be JSON.
+    let _: serde_json::Value = optional_body(&body)?;
     state.manager.load(&m).await?;
     Ok(ok_json(json!({})))
 }
@@ -318,7 +319,7 @@ async fn repository_unload(
     body: Bytes,
 ) -> Result<Response, AppError> {
     require_admin(&state, &headers)?;
-    let _: serde_json::Value = optional_body::<Option<serde_json::Value>>(&body)?.unwrap_or_default();
+    let _: serde_json::Value = optional_body(&body)?;
     state.manager.unload(&m).await?;
     Ok(ok_json(json!({})))
 }

@@ -13,7 +13,10 @@ use snooze_core::{
     lifecycle::ModelStatus, memory::MemoryProbe, units::format_bytes, ErrorKind, HostProbe, SnoozeError,
 };
 
-use super::{admin::rfc3339, ok_json, AppError, AppState};
+use super::{
+    admin::{model_json, rfc3339},
+    ok_json, AppError, AppState,
+};
 
 pub fn routes() -> Router<AppState> {
     Router::new()
@@ -173,25 +176,7 @@ async fn dump(State(state): State<AppState>) -> Response {
     let status = state.manager.status().await;
     let models: Vec<Value> = status
         .iter()
-        .map(|s| {
-            json!({
-                "name": s.name,
-                "state": s.state,
-                "device": s.device,
-                "pinned": s.pinned,
-                "leases": s.leases,
-                "loads": s.loads,
-                "evictions": s.evictions,
-                "footprint_estimated_bytes": s.footprint_estimated_bytes,
-                "footprint_measured_bytes": s.footprint_measured_bytes,
-                "footprint_peak_estimated_bytes": s.footprint_peak_estimated_bytes,
-                "footprint_peak_measured_bytes": s.footprint_peak_measured_bytes,
-                "last_load_ms": s.last_load.map(|d| d.as_millis() as u64),
-                "last_used_ago_ms": s.last_used_ago.map(|d| d.as_millis() as u64),
-                "unload_in_ms": s.unload_in.map(|d| d.as_millis() as u64),
-                "last_error": s.last_error,
-            })
-        })
+        .map(|s| model_json(s, state.manager.info(&s.name).map(|i| i.backend).unwrap_or("?"), now))
         .collect();
     ok_json(json!({
         "taken_at": rfc3339(now),
