@@ -9,6 +9,10 @@ pub enum ErrorKind {
     ModelNotFound,
     InvalidInput,
     PayloadTooLarge,
+    /// The client was too slow sending its request.
+    RequestTimeout,
+    /// The request was overtaken by a later one (an unload superseded by a load).
+    Conflict,
     Overloaded,
     InsufficientMemory,
     ModelFailed,
@@ -25,6 +29,8 @@ impl ErrorKind {
             ErrorKind::ModelNotFound => "model_not_found",
             ErrorKind::InvalidInput => "invalid_input",
             ErrorKind::PayloadTooLarge => "payload_too_large",
+            ErrorKind::RequestTimeout => "request_timeout",
+            ErrorKind::Conflict => "conflict",
             ErrorKind::Overloaded => "overloaded",
             ErrorKind::InsufficientMemory => "insufficient_memory",
             ErrorKind::ModelFailed => "model_failed",

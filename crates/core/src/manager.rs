@@ -76,12 +76,18 @@ pub(crate) enum Command {
         reply: oneshot::Sender<Result<Lease, SnoozeError>>,
     },
     Load {
+        req: RequestId,
         model: ModelId,
         reply: oneshot::Sender<Result<(), SnoozeError>>,
     },
     Unload {
+        req: RequestId,
         model: ModelId,
         reply: oneshot::Sender<Result<(), SnoozeError>>,
+    },
+    Poisoned {
+        model: ModelId,
+        reason: String,
     },
     UnloadIdle {
         include_pinned: bool,
@@ -228,7 +234,8 @@ impl ModelManager {
             let m = manager.clone();
             tokio::spawn(async move {
                 let (reply, rx) = oneshot::channel();
-                m.send(Command::Load { model: id, reply });
+                let req = m.next_request_id();
+                m.send(Command::Load { req, model: id, reply });
                 if let Ok(Err(e)) = rx.await {
                     tracing::error!(model = %m.infos[id].name, error = %e, "preload failed");
                 }
@@ -253,12 +260,19 @@ impl ModelManager {
         self.id(name)
     }
 
-    pub(crate) fn send_command(&self, cmd: Command) {
-        self.send(cmd)
-    }
-
     pub(crate) fn retry_after(&self) -> Duration {
         self.retry_after
+    }
+
+    /// Ids of waiting callers are chosen here, so a caller that gives up can cancel its own.
+    fn next_request_id(&self) -> RequestId {
+        self.next_acquire.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The backend panicked running `model`: it is unloaded once its requests end and
+    /// reloaded after a backoff.
+    pub(crate) fn report_panic(&self, model: ModelId, reason: String) {
+        self.send(Command::Poisoned { model, reason });
     }
 
     fn send(&self, cmd: Command) {
@@ -303,7 +317,7 @@ impl ModelManager {
             .retry_after(self.retry_after));
         }
         let (reply, rx) = oneshot::channel();
-        let req = self.next_acquire.fetch_add(1, Ordering::Relaxed);
+        let req = self.next_request_id();
         self.send(Command::Acquire { req, model, reply });
         match tokio::time::timeout(self.acquire_timeout, rx).await {
             Ok(Ok(result)) => result,
@@ -322,16 +336,59 @@ impl ModelManager {
         }
     }
 
-    /// Loads the model (no lease); returns when it is ready.
+    /// Loads the model (no lease); returns when it is ready, or 503 after
+    /// `acquire_timeout` (the load itself goes on).
     pub async fn load(&self, name: &str) -> Result<(), SnoozeError> {
         let model = self.id(name)?;
-        self.ask(|reply| Command::Load { model, reply }).await
+        let req = self.next_request_id();
+        let late = || {
+            SnoozeError::new(
+                ErrorKind::Overloaded,
+                format!(
+                    "model '{name}' was not loaded within {:.0}s (still loading or waiting for memory); \
+                     the load goes on",
+                    self.acquire_timeout.as_secs_f64()
+                ),
+            )
+        };
+        self.ask_within(req, |reply| Command::Load { req, model, reply }, late).await
     }
 
-    /// Unloads the model once no request holds it; returns when it is gone.
+    /// Unloads the model once the requests holding it end (new ones wait, then reload
+    /// it); returns when it is gone, or 503 after `acquire_timeout` (the unload stays
+    /// pending until those requests end).
     pub async fn unload(&self, name: &str) -> Result<(), SnoozeError> {
         let model = self.id(name)?;
-        self.ask(|reply| Command::Unload { model, reply }).await
+        let req = self.next_request_id();
+        let late = || {
+            SnoozeError::new(
+                ErrorKind::Overloaded,
+                format!(
+                    "model '{name}' is still serving requests after {:.0}s; it unloads as soon as they end",
+                    self.acquire_timeout.as_secs_f64()
+                ),
+            )
+        };
+        self.ask_within(req, |reply| Command::Unload { req, model, reply }, late).await
+    }
+
+    /// Sends a command and waits for its reply at most `acquire_timeout`; on timeout the
+    /// caller's wait is cancelled (what it asked for goes on) and `late()` is returned.
+    async fn ask_within(
+        &self,
+        req: RequestId,
+        cmd: impl FnOnce(oneshot::Sender<Result<(), SnoozeError>>) -> Command,
+        late: impl FnOnce() -> SnoozeError,
+    ) -> Result<(), SnoozeError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(cmd(reply));
+        match tokio::time::timeout(self.acquire_timeout, rx).await {
+            Ok(result) => result.unwrap_or_else(|_| Err(self.gone())),
+            Err(_) => {
+                self.send(Command::Cancel { req });
+                Err(late().retry_after(self.retry_after))
+            }
+        }
     }
 
     /// Unloads every idle model (pinned too if asked); returns at once.
@@ -513,19 +570,21 @@ impl Actor {
                 self.wanted.insert(req, model);
                 Event::Acquire { req, model }
             }
-            Command::Load { model, reply } => {
+            Command::Load { req, model, reply } => {
                 if let Some(e) = self.still_broken(model) {
                     let _ = reply.send(Err(e));
                     return Vec::new();
                 }
                 self.refresh_probe();
-                let req = self.register(Reply::Unit(reply));
+                self.replies.insert(req, Reply::Unit(reply));
                 self.wanted.insert(req, model);
                 Event::Load { req, model }
             }
-            Command::Unload { model, reply } => {
-                Event::Unload { req: self.register(Reply::Unit(reply)), model }
+            Command::Unload { req, model, reply } => {
+                self.replies.insert(req, Reply::Unit(reply));
+                Event::Unload { req, model }
             }
+            Command::Poisoned { model, reason } => Event::Poisoned { model, reason },
             Command::UnloadIdle { include_pinned, reason, reply } => {
                 Event::UnloadIdle { req: self.register(Reply::Unit(reply)), include_pinned, reason }
             }
@@ -679,22 +738,21 @@ impl Actor {
         self.load_started.insert(model, Instant::now());
         tracing::debug!(model = %spec.name, device = %spec.device, "loading");
         let tx = self.tx.clone();
+        let probe = self.probe.clone();
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
-            let before = memory::process_rss_bytes();
-            memory::reset_peak_rss();
+            let before = probe.process_bytes();
+            probe.reset_peak();
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.load(&spec)))
                 .unwrap_or_else(|_| {
                     Err(LoadError::Failed(format!("the backend panicked loading '{}'", spec.name)))
                 });
-            let after = memory::process_rss_bytes();
-            let peak = memory::peak_rss_bytes();
+            let (after, peak) = (probe.process_bytes(), probe.peak_process_bytes());
+            let grew =
+                |to: Option<u64>| to.zip(before).and_then(|(t, b)| t.checked_sub(b)).filter(|d| *d > 0);
             let result = result.map(|m| {
-                let steady = after.checked_sub(before).filter(|d| *d > 0);
-                let measured = LoadMeasurement {
-                    steady: steady.map(|s| s + m.working_bytes()),
-                    peak: peak.and_then(|p| p.checked_sub(before)).filter(|d| *d > 0),
-                };
+                let measured =
+                    LoadMeasurement { steady: grew(after).map(|s| s + m.working_bytes()), peak: grew(peak) };
                 (m, measured)
             });
             let _ = tx.send(Command::LoadDone { model, result, took: started.elapsed() });

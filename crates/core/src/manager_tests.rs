@@ -54,6 +54,7 @@ impl LoadedModel for FakeModel {
         &self.sig
     }
     fn infer(&self, inputs: Vec<Tensor>, _: &[String]) -> Result<Vec<Tensor>, InferError> {
+        assert!(inputs[0].shape[0] >= 0, "fake: a negative batch makes the backend panic");
         if inputs[0].shape[0] as u64 > self.max_batch.load(Ordering::SeqCst) {
             return Err(InferError::OutOfMemory("fake: batch too large".into()));
         }
@@ -304,4 +305,27 @@ async fn a_full_gpu_falls_back_to_the_cpu_by_the_probe() {
     let e = m.acquire("strict").await.err().unwrap();
     assert_eq!(e.kind, ErrorKind::InsufficientMemory);
     assert!(e.message.contains("cuda:0"), "{}", e.message);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_backend_panic_is_a_500_naming_the_model_then_a_backoff_not_a_reload_storm() {
+    let (m, backend, _) = setup(&["a"], KeepAlive::Forever);
+    let bad = || vec![Tensor::new("x", vec![-1], TensorData::Fp32(vec![]))];
+    let e = m.infer("a", Priority::Normal, bad(), vec![]).await.unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Inference);
+    assert!(e.message.contains("'a' panicked") && e.message.contains("negative batch"), "{}", e.message);
+    // Unloaded, then refused during the backoff: hammering it loads nothing.
+    while state(&m, "a").await != crate::lifecycle::StateName::Failed {
+        tokio::task::yield_now().await;
+    }
+    for _ in 0..20 {
+        let e = m.infer("a", Priority::Normal, batch(1), vec![]).await.unwrap_err();
+        assert_eq!(e.kind, ErrorKind::ModelFailed);
+        assert!(e.retry_after.is_some());
+    }
+    assert_eq!(backend.loads.load(Ordering::SeqCst), 1);
+    // After the backoff it is reloaded and serves again.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(m.infer("a", Priority::Normal, batch(1), vec![]).await.is_ok());
+    assert_eq!(backend.loads.load(Ordering::SeqCst), 2);
 }

@@ -32,6 +32,16 @@ pub enum LimitSource {
 /// Anything that can say how much memory there is.
 pub trait MemoryProbe: Send + Sync {
     fn snapshot(&self) -> MemorySnapshot;
+    /// Bytes this process holds now, for measuring what a load took (`None`: unknown).
+    fn process_bytes(&self) -> Option<u64> {
+        None
+    }
+    /// Starts a new peak measurement.
+    fn reset_peak(&self) {}
+    /// The most this process held since `reset_peak`.
+    fn peak_process_bytes(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// The Linux host probe.
@@ -104,6 +114,18 @@ impl MemoryProbe for HostProbe {
                 source: LimitSource::Machine,
             },
         }
+    }
+
+    fn process_bytes(&self) -> Option<u64> {
+        Some(process_rss_bytes())
+    }
+
+    fn reset_peak(&self) {
+        reset_peak_rss();
+    }
+
+    fn peak_process_bytes(&self) -> Option<u64> {
+        peak_rss_bytes()
     }
 }
 

@@ -6,13 +6,11 @@
 
 use std::sync::Arc;
 
-use tokio::sync::oneshot;
-
 use crate::{
     backend::{InferError, LoadedModel},
     error::{ErrorKind, SnoozeError},
     lifecycle::StateName,
-    manager::{Command, ModelManager, Priority},
+    manager::{ModelManager, Priority},
     memory,
     tensor::{concat_batch, split_batch, Tensor},
 };
@@ -42,8 +40,8 @@ impl InferError {
 }
 
 impl ModelManager {
-    /// Unloads every idle, unpinned model but `except`, waits until they are gone and
-    /// trims the heap.
+    /// Unloads every idle, unpinned model but `except`, waits (bounded) until they are
+    /// gone and trims the heap.
     pub async fn gc(&self, except: Option<&str>) -> GcReport {
         let before = memory::process_rss_bytes();
         let victims: Vec<String> = self
@@ -55,17 +53,12 @@ impl ModelManager {
             })
             .map(|s| s.name)
             .collect();
-        let mut waits = Vec::new();
-        for name in &victims {
-            if let Ok(model) = self.model_id(name) {
-                let (reply, rx) = oneshot::channel();
-                self.send_command(Command::Unload { model, reply });
-                waits.push(rx);
-            }
+        let mut unloads = tokio::task::JoinSet::new();
+        for name in victims.clone() {
+            let manager = self.clone();
+            unloads.spawn(async move { manager.unload(&name).await });
         }
-        for rx in waits {
-            let _ = rx.await;
-        }
+        while unloads.join_next().await.is_some() {}
         let _ = tokio::task::spawn_blocking(memory::trim_heap).await;
         let freed = before.saturating_sub(memory::process_rss_bytes());
         tracing::info!(models = ?victims, freed_bytes = freed, "garbage collection");
@@ -152,18 +145,33 @@ impl ModelManager {
         .await;
         match joined {
             Ok(result) => Ok(result),
-            Err(_) => {
-                // A panicking backend may have left the model in any state: unload it so
-                // the next request gets a fresh load.
-                tracing::error!(model = name, "the backend panicked during inference; unloading the model");
-                let manager = self.clone();
-                let owned = name.to_string();
-                tokio::spawn(async move { manager.unload(&owned).await });
+            Err(e) => {
+                // A panicking backend may have left the model in any state: it is unloaded
+                // once its requests end and reloaded, after a backoff, on a later request.
+                let why = panic_message(e);
+                tracing::error!(model = name, panic = %why, "the backend panicked during inference; the model will be unloaded");
+                if let Ok(model) = self.model_id(name) {
+                    self.report_panic(model, format!("the backend panicked during inference: {why}"));
+                }
                 Err(SnoozeError::new(
                     ErrorKind::Inference,
-                    format!("model '{name}' panicked during inference"),
+                    format!(
+                        "model '{name}' panicked during inference ({why}); it is reloaded on a later request"
+                    ),
                 ))
             }
         }
+    }
+}
+
+/// What a panic said, when it said it with a string.
+fn panic_message(e: tokio::task::JoinError) -> String {
+    match e.try_into_panic() {
+        Ok(payload) => payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".into()),
+        Err(e) => e.to_string(),
     }
 }

@@ -81,6 +81,8 @@ pub enum UnloadReason {
     /// Emergency pressure or an explicit GC.
     Pressure,
     Shutdown,
+    /// The backend panicked during inference: the instance cannot be trusted.
+    Failed,
 }
 
 /// What happened, as the shell tells it.
@@ -96,6 +98,9 @@ pub enum Event {
     Release { model: ModelId },
     /// A waiting caller went away (timeout, disconnect).
     Cancel { req: RequestId },
+    /// The backend panicked while running the model: stop granting leases, unload it
+    /// once they end, then back off before the next load.
+    Poisoned { model: ModelId, reason: String },
     /// A load ended. `measured`: bytes the load took, when the shell could measure it.
     LoadFinished { model: ModelId, result: Result<LoadMeasurement, LoadError>, took: Duration },
     /// An unload ended and its memory was given back.
@@ -218,7 +223,7 @@ impl Scheduler {
         match event {
             Event::Acquire { req, model } => self.on_want(now, model, slot::Waiter::Lease(req)),
             Event::Load { req, model } => {
-                self.slots[model].unload_requested = false;
+                self.supersede_unload(model);
                 self.on_want(now, model, slot::Waiter::Load(req))
             }
             Event::Unload { req, model } => self.on_unload(now, req, model),
@@ -226,6 +231,16 @@ impl Scheduler {
             Event::Cancel { req } => {
                 for s in &mut self.slots {
                     s.waiters.retain(|w| w.req() != req);
+                    s.unload_waiters.retain(|w| *w != req);
+                }
+            }
+            Event::Poisoned { model, reason } => {
+                let s = &mut self.slots[model];
+                if matches!(s.state, SlotState::Ready { .. }) && s.poisoned.is_none() {
+                    s.panics += 1;
+                    s.last_error = Some(reason.clone());
+                    s.poisoned = Some(reason);
+                    self.begin_unload(model, UnloadReason::Failed);
                 }
             }
             Event::LoadFinished { model, result, took } => self.on_load_finished(now, model, result, took),
@@ -282,7 +297,10 @@ impl Scheduler {
             return self.push(Action::Reply { req: waiter.req(), result: Err(err) });
         }
         let s = &mut self.slots[model];
+        let closed = s.closed_to_new_leases();
         match &mut s.state {
+            // Waits for the pending unload, then reloads (see `on_unload_finished`).
+            SlotState::Ready { .. } if closed => s.waiters.push(waiter),
             SlotState::Ready { leases, .. } => {
                 if let slot::Waiter::Lease(req) = waiter {
                     *leases += 1;
@@ -324,7 +342,6 @@ impl Scheduler {
         let s = &mut self.slots[model];
         match &s.state {
             SlotState::Unloaded | SlotState::Failed { .. } => {
-                s.state = SlotState::Unloaded;
                 self.push(Action::Reply { req, result: Ok(()) });
             }
             SlotState::Ready { leases: 0, .. } => {
@@ -350,7 +367,9 @@ impl Scheduler {
         if *leases > 0 {
             return;
         }
-        if s.unload_requested {
+        if s.poisoned.is_some() {
+            self.begin_unload(model, UnloadReason::Failed);
+        } else if s.unload_requested {
             self.begin_unload(model, UnloadReason::Requested);
         } else if self.shutting_down {
             self.begin_unload(model, UnloadReason::Shutdown);
@@ -375,7 +394,6 @@ impl Scheduler {
                 let s = &mut self.slots[model];
                 s.loads += 1;
                 s.failures = 0;
-                s.oom_retries = 0;
                 s.last_load = Some(took);
                 s.last_error = None;
                 if let Some(m) = measured.steady {
@@ -411,7 +429,6 @@ impl Scheduler {
                     self.begin_unload(victim, UnloadReason::Evicted);
                     let index = self.device_index(model, &device);
                     self.slots[model].state = SlotState::Queued { device_index: index };
-                    self.slots[model].oom_retries += 1;
                     self.queues.entry(device).or_default().push_front(model);
                 } else {
                     let s = &mut self.slots[model];
@@ -424,16 +441,13 @@ impl Scheduler {
                     let err = SnoozeError::new(ErrorKind::InsufficientMemory, text)
                         .retry_after(self.config.retry_after);
                     self.fail_waiters(model, err);
+                    self.answer_unload_waiters(model);
                 }
             }
             Err(LoadError::Failed(msg)) => {
+                self.slots[model].failures += 1;
+                let backoff = self.backoff(self.slots[model].failures);
                 let s = &mut self.slots[model];
-                s.failures += 1;
-                let backoff = self
-                    .config
-                    .backoff_base
-                    .saturating_mul(1 << (s.failures - 1).min(16))
-                    .min(self.config.backoff_max);
                 s.last_error = Some(msg.clone());
                 s.last_load = Some(took);
                 s.state = SlotState::Failed { until: now + backoff, error: msg.clone() };
@@ -442,21 +456,90 @@ impl Scheduler {
                     format!("model '{}' failed to load: {msg}", s.policy.name),
                 );
                 self.fail_waiters(model, err);
-                let waiters = std::mem::take(&mut self.slots[model].unload_waiters);
-                for req in waiters {
-                    self.push(Action::Reply { req, result: Ok(()) });
-                }
+                self.answer_unload_waiters(model);
             }
         }
     }
 
-    fn on_unload_finished(&mut self, _now: Instant, model: ModelId) {
+    /// First backoff, doubled per consecutive failure, capped.
+    fn backoff(&self, failures: u32) -> Duration {
+        self.config
+            .backoff_base
+            .saturating_mul(1 << failures.saturating_sub(1).min(16))
+            .min(self.config.backoff_max)
+    }
+
+    /// The model is not in memory any more (or never got there): every pending unload
+    /// is done, and the request for one does not outlive this load.
+    fn answer_unload_waiters(&mut self, model: ModelId) {
         let s = &mut self.slots[model];
-        debug_assert!(matches!(s.state, SlotState::Unloading { .. }));
-        s.state = SlotState::Unloaded;
         s.unload_requested = false;
         for req in std::mem::take(&mut s.unload_waiters) {
             self.actions.push(Action::Reply { req, result: Ok(()) });
+        }
+    }
+
+    /// A load asked for after an unload wins: the unload is called off and its callers
+    /// are told so rather than left waiting for an unload that will not come.
+    fn supersede_unload(&mut self, model: ModelId) {
+        let s = &mut self.slots[model];
+        if !s.unload_requested {
+            return;
+        }
+        s.unload_requested = false;
+        let err = SnoozeError::new(
+            ErrorKind::Conflict,
+            format!("the unload of model '{}' was called off by a later load request", s.policy.name),
+        );
+        for req in std::mem::take(&mut s.unload_waiters) {
+            self.actions.push(Action::Reply { req, result: Err(err.clone()) });
+        }
+        // Requests that queued behind the unload can be served now.
+        if let SlotState::Ready { leases, .. } = &mut s.state {
+            let mut granted = 0;
+            for w in std::mem::take(&mut s.waiters) {
+                match w {
+                    slot::Waiter::Lease(req) => {
+                        granted += 1;
+                        self.actions.push(Action::Grant { req, model });
+                    }
+                    slot::Waiter::Load(req) => self.actions.push(Action::Reply { req, result: Ok(()) }),
+                }
+            }
+            *leases += granted;
+        }
+    }
+
+    fn on_unload_finished(&mut self, now: Instant, model: ModelId) {
+        let s = &mut self.slots[model];
+        let reason = match &s.state {
+            SlotState::Unloading { reason, .. } => Some(*reason),
+            _ => None,
+        };
+        debug_assert!(reason.is_some(), "unload finished for a model that was not unloading");
+        s.state = SlotState::Unloaded;
+        self.answer_unload_waiters(model);
+        if let Some(why) = self.slots[model].poisoned.take() {
+            // Like a failed load: back off, so a model that panics on every request is
+            // not reloaded for every request.
+            let backoff = self.backoff(self.slots[model].panics);
+            let s = &mut self.slots[model];
+            s.state = SlotState::Failed { until: now + backoff, error: why.clone() };
+            let err = SnoozeError::new(
+                ErrorKind::ModelFailed,
+                format!(
+                    "model '{}' was unloaded after it failed ({why}); it reloads in {:.1}s",
+                    s.policy.name,
+                    backoff.as_secs_f64()
+                ),
+            )
+            .retry_after(backoff);
+            self.fail_waiters(model, err);
+            return;
+        }
+        if reason != Some(UnloadReason::Failed) {
+            // Left memory normally: earlier panics no longer count toward the backoff.
+            self.slots[model].panics = 0;
         }
         if !self.slots[model].waiters.is_empty() {
             if self.shutting_down {
@@ -477,6 +560,7 @@ impl Scheduler {
             for model in queue {
                 self.slots[model].state = SlotState::Unloaded;
                 self.fail_waiters(model, err.clone());
+                self.answer_unload_waiters(model);
             }
         }
         for id in 0..self.slots.len() {
@@ -554,9 +638,9 @@ impl Scheduler {
                             moved = true;
                         } else {
                             s.state = SlotState::Unloaded;
-                            s.oom_retries = 0;
                             s.last_error = Some(err.message.clone());
                             self.fail_waiters(model, err);
+                            self.answer_unload_waiters(model);
                         }
                     }
                 }

@@ -106,8 +106,14 @@ pub struct ModelSlot {
     pub state: SlotState,
     pub(super) waiters: Vec<Waiter>,
     pub(super) unload_waiters: Vec<RequestId>,
-    /// An unload was asked for while requests held the model.
+    /// An unload was asked for while requests held the model: no new lease is granted
+    /// until it is done (new requests wait, then reload it).
     pub(super) unload_requested: bool,
+    /// The backend panicked during an inference: no new lease is granted, the model is
+    /// unloaded once its leases end and then backs off like a failed load.
+    pub(super) poisoned: Option<String>,
+    /// Panics since the model last served and left memory normally; sets the backoff.
+    pub(super) panics: u32,
     /// Measured on the last load of this process.
     pub measured_bytes: Option<u64>,
     pub measured_peak_bytes: Option<u64>,
@@ -117,7 +123,6 @@ pub struct ModelSlot {
     pub loads: u64,
     pub evictions: u64,
     pub(super) failures: u32,
-    pub(super) oom_retries: u32,
     /// Bytes evicted to make room for this model's pending load.
     pub(super) evicted_for: u64,
     pub last_load: Option<Duration>,
@@ -132,6 +137,8 @@ impl ModelSlot {
             waiters: Vec::new(),
             unload_waiters: Vec::new(),
             unload_requested: false,
+            poisoned: None,
+            panics: 0,
             measured_bytes: None,
             measured_peak_bytes: None,
             learned_bytes: None,
@@ -139,7 +146,6 @@ impl ModelSlot {
             loads: 0,
             evictions: 0,
             failures: 0,
-            oom_retries: 0,
             evicted_for: 0,
             last_load: None,
             last_error: None,
@@ -223,6 +229,11 @@ impl ModelSlot {
             SlotState::Ready { leases, .. } => leases,
             _ => 0,
         }
+    }
+
+    /// Ready, but a pending unload or a panic means no new lease may be granted.
+    pub(super) fn closed_to_new_leases(&self) -> bool {
+        self.unload_requested || self.poisoned.is_some()
     }
 
     /// When keep-alive will unload it, if it is idle, not pinned and keep-alive is finite.

@@ -616,3 +616,164 @@ fn rule8_emergency_unloads_every_idle_unpinned_model() {
         .collect();
     assert_eq!(unloaded, [0], "a only: b is leased, p is pinned");
 }
+
+/// The replies (and grants) among `actions`, by request.
+fn replies(actions: &[Action]) -> Vec<(RequestId, Result<(), ErrorKind>)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Reply { req, result } => Some((*req, result.clone().map_err(|e| e.kind))),
+            Action::Grant { req, .. } => Some((*req, Ok(()))),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn unloads_superseded_by_a_load_are_answered_at_once() {
+    // Three unloads while requests run, then a load: nobody may be left waiting.
+    let mut h = Harness::new(1000, &[("a", 100)]);
+    h.use_model("a").unwrap();
+    for req in [11, 12, 13] {
+        assert!(h.feed(Event::Unload { req, model: 0 }).is_empty(), "waits for the request in flight");
+    }
+    let (waiting, a) = h.acquire("a");
+    assert!(a.is_empty(), "no new lease while an unload is pending: {a:?}");
+    let a = h.feed(Event::Load { req: 14, model: 0 });
+    let mut got = replies(&a);
+    got.sort_by_key(|(r, _)| *r);
+    assert_eq!(
+        got,
+        [
+            (waiting, Ok(())),
+            (11, Err(ErrorKind::Conflict)),
+            (12, Err(ErrorKind::Conflict)),
+            (13, Err(ErrorKind::Conflict)),
+            (14, Ok(()))
+        ],
+        "{a:?}"
+    );
+    assert_eq!(h.s.slot(0).leases(), 2);
+    // The flag is gone: the last release does not unload.
+    h.feed(Event::Release { model: 0 });
+    assert!(h.feed(Event::Release { model: 0 }).is_empty());
+    assert_eq!(h.state("a"), StateName::Ready);
+}
+
+#[test]
+fn requests_during_a_pending_unload_wait_then_reload() {
+    let mut h = Harness::new(1000, &[("a", 100)]);
+    h.use_model("a").unwrap();
+    h.feed(Event::Unload { req: 50, model: 0 });
+    let (req, a) = h.acquire("a");
+    assert!(a.is_empty());
+    let a = h.feed(Event::Release { model: 0 });
+    assert!(matches!(a[..], [Action::StartUnload { reason: UnloadReason::Requested, .. }]), "{a:?}");
+    let done = h.settle(a);
+    assert_eq!(replies(&done), [(50, Ok(())), (req, Ok(()))], "unloaded, then reloaded for the waiter");
+    assert_eq!(h.loads(), ["a", "a"]);
+}
+
+#[test]
+fn a_load_refused_for_memory_answers_every_waiter_and_pending_unload() {
+    let mut h = Harness::new(300, &[("a", 100), ("big", 500)]);
+    let (_, start_a) = h.acquire("a");
+    let (r1, x) = h.acquire("big");
+    let (r2, y) = h.acquire("big");
+    assert!(x.is_empty() && y.is_empty(), "queued behind a's load");
+    h.feed(Event::Load { req: 20, model: 1 });
+    assert!(h.feed(Event::Unload { req: 21, model: 1 }).is_empty());
+    let [Action::StartLoad { .. }] = start_a[..] else { panic!("{start_a:?}") };
+    let a = h.feed(Event::LoadFinished {
+        model: 0,
+        result: Ok(LoadMeasurement::default()),
+        took: Duration::ZERO,
+    });
+    let mut got = replies(&a);
+    got.retain(|(r, _)| *r != 1);
+    got.sort_by_key(|(r, _)| *r);
+    assert_eq!(
+        got,
+        [
+            (r1, Err(ErrorKind::InsufficientMemory)),
+            (r2, Err(ErrorKind::InsufficientMemory)),
+            (20, Err(ErrorKind::InsufficientMemory)),
+            (21, Ok(())),
+        ]
+    );
+    assert!(!h.s.slot(1).unload_requested, "the unload flag does not outlive the refusal");
+}
+
+#[test]
+fn the_unload_flag_does_not_outlive_a_failed_load() {
+    let mut h = Harness::new(1000, &[("a", 100)]);
+    let (r, a) = h.acquire("a");
+    assert!(matches!(a[..], [Action::StartLoad { .. }]));
+    assert!(h.feed(Event::Unload { req: 30, model: 0 }).is_empty());
+    let a = h.feed(Event::LoadFinished {
+        model: 0,
+        result: Err(LoadError::Failed("bad file".into())),
+        took: Duration::ZERO,
+    });
+    assert_eq!(replies(&a), [(r, Err(ErrorKind::ModelFailed)), (30, Ok(()))]);
+    // After the backoff the model loads and stays: no stale unload request.
+    h.at(2.0);
+    h.call("a").unwrap();
+    assert_eq!(h.state("a"), StateName::Ready);
+}
+
+#[test]
+fn a_cancelled_unload_waiter_is_forgotten() {
+    let mut h = Harness::new(1000, &[("a", 100)]);
+    h.use_model("a").unwrap();
+    h.feed(Event::Unload { req: 40, model: 0 });
+    h.feed(Event::Cancel { req: 40 });
+    let a = h.feed(Event::Release { model: 0 });
+    let done = h.settle(a);
+    assert!(replies(&done).is_empty(), "the unload goes on, its caller is gone: {done:?}");
+    assert_eq!(h.state("a"), StateName::Unloaded);
+}
+
+#[test]
+fn a_model_that_panics_is_unloaded_then_backs_off_without_a_reload_storm() {
+    let mut h = Harness::new(1000, &[("a", 100)]);
+    h.use_model("a").unwrap();
+    let poison = |h: &mut Harness| h.feed(Event::Poisoned { model: 0, reason: "boom".into() });
+    assert!(poison(&mut h).is_empty(), "leased: unloaded when the request ends");
+    let (waiting, a) = h.acquire("a");
+    assert!(a.is_empty(), "no lease on a poisoned model");
+    let a = h.feed(Event::Release { model: 0 });
+    assert!(matches!(a[..], [Action::StartUnload { reason: UnloadReason::Failed, .. }]), "{a:?}");
+    let a = h.feed(Event::UnloadFinished { model: 0 });
+    let [Action::Reply { req, result: Err(e) }] = &a[..] else { panic!("{a:?}") };
+    assert_eq!(
+        (*req, e.kind, e.retry_after),
+        (waiting, ErrorKind::ModelFailed, Some(Duration::from_secs(1)))
+    );
+    assert!(e.message.contains("boom"), "{}", e.message);
+    assert_eq!(h.state("a"), StateName::Failed);
+    // Within the backoff: refused without a load. After it: reloaded once.
+    h.at(0.5);
+    assert_eq!(h.call("a").unwrap_err().kind, ErrorKind::ModelFailed);
+    h.at(1.0);
+    h.use_model("a").unwrap();
+    h.feed(Event::Release { model: 0 });
+    assert_eq!(h.loads(), ["a", "a"]);
+    // A second panic doubles the backoff.
+    let a = poison(&mut h);
+    h.settle(a);
+    h.at(2.5);
+    assert_eq!(h.call("a").unwrap_err().retry_after, Some(Duration::from_millis(500)), "2 s from t=1");
+    h.at(3.0);
+    h.call("a").unwrap();
+    // Leaving memory normally (idle, evicted, asked) forgives earlier panics.
+    let a = h.feed(Event::Unload { req: 60, model: 0 });
+    h.settle(a);
+    h.at(3.1);
+    h.use_model("a").unwrap();
+    h.feed(Event::Release { model: 0 });
+    let a = poison(&mut h);
+    h.settle(a);
+    h.at(4.1);
+    h.call("a").unwrap();
+}
