@@ -64,6 +64,10 @@ impl Backend for CandleBackend {
         }
     }
 
+    fn task(&self, _path: &Path) -> snooze_core::Task {
+        snooze_core::Task::Embedding
+    }
+
     fn signature(&self, path: &Path) -> Result<ModelSignature, LoadError> {
         let layout = ModelLayout::read(path).map_err(LoadError::Failed)?;
         Ok(model::signature_for(layout.config.hidden_size))

@@ -52,6 +52,16 @@ impl TryFrom<String> for Device {
     }
 }
 
+/// What a model is for, which decides the APIs that serve it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Task {
+    /// Tensors in, tensors out (KServe).
+    Tensor,
+    /// Texts in, vectors out (`/v1/embeddings`, and KServe BYTES).
+    Embedding,
+}
+
 /// A backend's guess of what a model will take, and how it got there.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct FootprintEstimate {
@@ -160,6 +170,10 @@ pub trait Backend: Send + Sync + 'static {
     fn name(&self) -> &'static str;
     /// Footprint from the files alone; never loads the model.
     fn estimate(&self, path: &std::path::Path) -> FootprintEstimate;
+    /// What the model at `path` is for, from its files.
+    fn task(&self, _path: &std::path::Path) -> Task {
+        Task::Tensor
+    }
     /// The model's inputs and outputs, read from its files without loading it.
     fn signature(&self, path: &std::path::Path) -> Result<ModelSignature, LoadError>;
     fn load(&self, spec: &LoadSpec) -> Result<Arc<dyn LoadedModel>, LoadError>;

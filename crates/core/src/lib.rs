@@ -15,7 +15,7 @@ pub mod tensor;
 
 pub use backend::{
     Backend, Device, EmbedInput, Embedder, Embeddings, FootprintEstimate, InferError, LoadError, LoadSpec,
-    LoadedModel,
+    LoadedModel, Task,
 };
 pub use error::{ErrorKind, SnoozeError};
 pub use memory::{HostProbe, MemoryProbe, MemorySnapshot};

@@ -65,6 +65,7 @@ pub struct ManagerConfig {
 pub struct ModelInfo {
     pub name: String,
     pub backend: &'static str,
+    pub task: crate::backend::Task,
     pub path: PathBuf,
     pub signature: Result<ModelSignature, String>,
 }
@@ -185,6 +186,7 @@ impl ModelManager {
             infos.push(ModelInfo {
                 name: entry.policy.name.clone(),
                 backend: entry.backend.name(),
+                task: entry.backend.task(&entry.path),
                 path: entry.path.clone(),
                 signature: entry.signature,
             });

@@ -261,20 +261,23 @@ pub struct TensorSpec {
 impl TensorSpec {
     /// Checks a request tensor against this spec; the error names the tensor.
     pub fn check(&self, t: &Tensor) -> Result<(), String> {
-        if t.datatype() != self.datatype {
+        self.check_header(&t.name, t.datatype(), &t.shape)
+    }
+
+    /// Checks a declared datatype and shape, before any data is decoded.
+    pub fn check_header(&self, name: &str, datatype: DataType, shape: &[i64]) -> Result<(), String> {
+        if datatype != self.datatype {
             return Err(format!(
-                "input '{}' has datatype {} but the model expects {}",
-                t.name,
-                t.datatype(),
+                "input '{name}' has datatype {datatype} but the model expects {}",
                 self.datatype
             ));
         }
-        let shape_ok = self.shape.len() == t.shape.len()
-            && self.shape.iter().zip(&t.shape).all(|(&want, &have)| want < 0 || want == have);
+        let shape_ok = self.shape.len() == shape.len()
+            && self.shape.iter().zip(shape).all(|(&want, &have)| want < 0 || want == have);
         if !shape_ok {
             return Err(format!(
-                "input '{}' has shape {:?} but the model expects {:?} (-1 = any size)",
-                t.name, t.shape, self.shape
+                "input '{name}' has shape {shape:?} but the model expects {:?} (-1 = any size)",
+                self.shape
             ));
         }
         Ok(())

@@ -43,6 +43,52 @@ impl fmt::Display for Scalar {
     }
 }
 
+/// One `[server]` key: the single place that names it, gives its default and says
+/// what it does. The file parser, the `--flag` / `SNOOZE_<KEY>` overrides and the
+/// README's table (checked by a test) all come from [`SERVER_KEYS`].
+#[derive(Debug, Clone, Copy)]
+pub struct ServerKey {
+    pub name: &'static str,
+    /// As it would be written in the file; `None` = unset.
+    pub default: Option<&'static str>,
+    pub help: &'static str,
+    /// Hidden from `--help`'s environment values.
+    pub secret: bool,
+}
+
+const fn key(name: &'static str, default: &'static str, help: &'static str) -> ServerKey {
+    ServerKey { name, default: Some(default), help, secret: false }
+}
+
+pub const SERVER_KEYS: &[ServerKey] = &[
+    key("http_address", "127.0.0.1:8080", "Address to listen on; port 0 picks a free port."),
+    key("host_memory_limit", "auto", "Memory budget of the whole process: \"auto\" (machine or cgroup limit minus headroom), a percentage of what exists (\"80%\"), or a size (\"6GiB\")."),
+    key("headroom", "64MiB", "Memory kept free on top of each model's footprint; \"auto\" also subtracts it from the limit."),
+    key("keep_alive", "5m", "How long an idle model stays loaded after its last request; 0 = unload at once, -1 = never."),
+    key("min_residency", "10s", "A model is not evicted sooner than this after loading (stops ping-pong)."),
+    key("max_loaded_models", "0", "Most models loaded at once; 0 = no cap."),
+    key("retry_after", "5s", "Retry-After sent with refusals that have no better estimate."),
+    key("state_dir", ".snooze", "Where the server keeps its state (learned footprints)."),
+    ServerKey { name: "model_dir", default: None, help: "A model repository: every sub-folder holding model.onnx or 1/model.onnx is served under the folder's name.", secret: false },
+    key("shutdown_timeout", "30s", "On SIGTERM/SIGINT, how long requests in flight may finish before models are unloaded."),
+    key("acquire_timeout", "120s", "Longest a request waits for its model to load, and a repository load or unload for its model (then 503)."),
+    key("max_request_size", "64MiB", "Largest request body; larger ones get 413, refused by Content-Length before they are read."),
+    key("max_inflight_request_bytes", "10%", "Memory that requests being decoded and served may hold in all (bodies, decoded tensors, the copy kept for an out-of-memory retry), as a size or a percentage of the memory budget; past it new requests get 503 + Retry-After."),
+    key("header_read_timeout", "10s", "Time a client has to send a request's line and headers once it started; slower connections are closed."),
+    key("body_read_timeout", "30s", "Time a client has to send a request's whole body; slower ones get 408 and the connection is closed."),
+    key("idle_timeout", "60s", "A kept-alive connection with no request for this long is closed."),
+    key("max_connections", "1024", "Most client connections at once; further ones wait in the kernel's accept queue."),
+    key("intra_op_threads", "0", "Threads one inference may use inside ONNX Runtime; 0 = runtime default."),
+    key("max_embedding_inputs", "256", "Most texts in one embeddings request, on /v1/embeddings and on KServe BYTES alike (more: 400)."),
+    key("max_input_chars", "100000", "Longest text (in characters) one embedding input may have (longer: 400)."),
+    key("memory_warning_threshold", "0.80", "Share of the budget (RSS / budget) that records an alert."),
+    key("memory_critical_threshold", "0.95", "Share of the budget at which loads must evict first and low-priority requests get 503."),
+    key("memory_emergency_threshold", "0.98", "Share of the budget at which every idle, unpinned model is unloaded."),
+    key("memory_check_interval", "5s", "How often the memory monitor reads the probe (also after every load)."),
+    key("low_ram_mode", "false", "One malloc arena and a 64 KiB mmap threshold; trim the heap after requests of 1 MiB or more."),
+    ServerKey { name: "admin_token", default: None, help: "Bearer token guarding every admin endpoint: repository load/unload, /admin/* (reads too) and gc; unset = open.", secret: true },
+];
+
 /// The file as written (every field optional; defaults come later).
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -53,63 +99,29 @@ pub struct FileConfig {
     pub models: BTreeMap<String, RawModel>,
 }
 
-/// `[server]` keys, as strings, before validation. The same struct carries the
-/// flag/env overrides, so every key can be set all three ways.
+/// `[server]` keys as written, before validation; the flag/env overrides come in the
+/// same shape. Unknown keys are refused in [`resolve`].
 #[derive(Debug, Default, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RawServer {
-    pub http_address: Option<Scalar>,
-    pub host_memory_limit: Option<Scalar>,
-    pub headroom: Option<Scalar>,
-    pub keep_alive: Option<Scalar>,
-    pub min_residency: Option<Scalar>,
-    pub max_loaded_models: Option<Scalar>,
-    pub retry_after: Option<Scalar>,
-    pub state_dir: Option<Scalar>,
-    pub model_dir: Option<Scalar>,
-    pub shutdown_timeout: Option<Scalar>,
-    pub acquire_timeout: Option<Scalar>,
-    pub max_request_size: Option<Scalar>,
-    pub intra_op_threads: Option<Scalar>,
-    pub max_embedding_inputs: Option<Scalar>,
-    pub max_input_chars: Option<Scalar>,
-    pub memory_warning_threshold: Option<Scalar>,
-    pub memory_critical_threshold: Option<Scalar>,
-    pub memory_emergency_threshold: Option<Scalar>,
-    pub memory_check_interval: Option<Scalar>,
-    pub low_ram_mode: Option<Scalar>,
-    pub admin_token: Option<Scalar>,
-}
+#[serde(transparent)]
+pub struct RawServer(pub BTreeMap<String, Scalar>);
 
 impl RawServer {
     /// Lays `over`'s set keys over ours.
     pub fn merge(&mut self, over: RawServer) {
-        macro_rules! take {
-            ($($k:ident),*) => { $( if over.$k.is_some() { self.$k = over.$k; } )* };
+        self.0.extend(over.0);
+    }
+
+    pub fn set(&mut self, key: &str, value: impl Into<String>) -> &mut Self {
+        self.0.insert(key.to_string(), Scalar::Str(value.into()));
+        self
+    }
+
+    /// The value as text, else the key's default.
+    fn text(&self, key: &str) -> Option<String> {
+        match self.0.get(key) {
+            Some(v) => Some(v.to_string()),
+            None => SERVER_KEYS.iter().find(|k| k.name == key).and_then(|k| k.default).map(str::to_string),
         }
-        take!(
-            http_address,
-            host_memory_limit,
-            headroom,
-            keep_alive,
-            min_residency,
-            max_loaded_models,
-            retry_after,
-            state_dir,
-            model_dir,
-            shutdown_timeout,
-            acquire_timeout,
-            max_request_size,
-            intra_op_threads,
-            max_embedding_inputs,
-            max_input_chars,
-            memory_warning_threshold,
-            memory_critical_threshold,
-            memory_emergency_threshold,
-            memory_check_interval,
-            low_ram_mode,
-            admin_token
-        );
     }
 }
 
@@ -164,13 +176,19 @@ pub struct ServerSettings {
     pub shutdown_timeout: Duration,
     pub acquire_timeout: Duration,
     pub max_request_size: u64,
+    /// Resolved against the memory budget at start (see `build`).
+    pub max_inflight_request_bytes: MemorySize,
+    pub header_read_timeout: Duration,
+    pub body_read_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_connections: usize,
     pub intra_op_threads: usize,
     pub max_embedding_inputs: usize,
     pub max_input_chars: usize,
     pub thresholds: Thresholds,
     pub memory_check_interval: Duration,
     pub low_ram_mode: bool,
-    /// Bearer token admin writes need; `None` = open.
+    /// Bearer token the admin endpoints need; `None` = open.
     pub admin_token: Option<String>,
 }
 
@@ -219,28 +237,37 @@ pub fn resolve(
 ) -> Result<Config, ConfigError> {
     file.server.merge(overrides);
     let s = &file.server;
-    let get = |v: &Option<Scalar>, default: &str| v.as_ref().map_or(default.to_string(), |v| v.to_string());
+    if let Some(unknown) = s.0.keys().find(|k| !SERVER_KEYS.iter().any(|key| key.name == k.as_str())) {
+        return Err(err(
+            &format!("[server] {unknown}"),
+            "unknown key (see the README's list of [server] keys)",
+        ));
+    }
+    let get = |key: &str| s.text(key).unwrap_or_default();
 
-    let duration = |key: &str, v: &Option<Scalar>, default: &str| {
-        parse_duration(&get(v, default)).map_err(|e| err(&format!("[server] {key}"), e))
-    };
-    let size = |key: &str, v: &Option<Scalar>, default: &str| {
-        parse_bytes(&get(v, default)).map_err(|e| err(&format!("[server] {key}"), e))
-    };
-    let count = |key: &str, v: &Option<Scalar>, default: &str| {
-        let text = get(v, default);
+    let duration = |key: &str| parse_duration(&get(key)).map_err(|e| err(&format!("[server] {key}"), e));
+    let size = |key: &str| parse_bytes(&get(key)).map_err(|e| err(&format!("[server] {key}"), e));
+    let count = |key: &str| {
+        let text = get(key);
         text.trim()
             .parse::<usize>()
             .map_err(|_| err(&format!("[server] {key}"), format!("'{text}' is not a whole number >= 0")))
     };
-    let fraction = |key: &str, v: &Option<Scalar>, default: &str| {
-        let text = get(v, default);
+    let fraction = |key: &str| {
+        let text = get(key);
         match text.trim().parse::<f64>() {
             Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
             _ => Err(err(&format!("[server] {key}"), format!("'{text}' is not a fraction in (0, 1]"))),
         }
     };
-    let limit_text = get(&s.host_memory_limit, "auto");
+    let positive = |key: &str| {
+        let d = duration(key)?;
+        if d.is_zero() {
+            return Err(err(&format!("[server] {key}"), "must be more than 0"));
+        }
+        Ok(d)
+    };
+    let limit_text = get("host_memory_limit");
     let host_memory_limit = if limit_text.trim() == "auto" {
         MemoryLimit::Auto
     } else {
@@ -249,41 +276,50 @@ pub fn resolve(
                 .map_err(|e| err("[server] host_memory_limit", format!("{e} (or \"auto\")")))?,
         )
     };
-    let http_address = get(&s.http_address, "127.0.0.1:8080");
+    let http_address = get("http_address");
     if http_address.parse::<std::net::SocketAddr>().is_err() {
         return Err(err(
             "[server] http_address",
             format!("'{http_address}' is not an address like \"127.0.0.1:8080\""),
         ));
     }
-    let keep_alive_text = get(&s.keep_alive, "5m");
+    let keep_alive_text = get("keep_alive");
     let server = ServerSettings {
         http_address,
         host_memory_limit,
-        headroom: size("headroom", &s.headroom, "64MiB")?,
+        headroom: size("headroom")?,
         keep_alive: KeepAlive::parse(&keep_alive_text).map_err(|e| err("[server] keep_alive", e))?,
-        min_residency: duration("min_residency", &s.min_residency, "10s")?,
-        max_loaded_models: count("max_loaded_models", &s.max_loaded_models, "0")?,
-        retry_after: duration("retry_after", &s.retry_after, "5s")?,
-        state_dir: base.join(get(&s.state_dir, ".snooze")),
-        shutdown_timeout: duration("shutdown_timeout", &s.shutdown_timeout, "30s")?,
-        acquire_timeout: duration("acquire_timeout", &s.acquire_timeout, "120s")?,
-        max_request_size: size("max_request_size", &s.max_request_size, "64MiB")?,
-        intra_op_threads: count("intra_op_threads", &s.intra_op_threads, "0")?,
-        max_embedding_inputs: count("max_embedding_inputs", &s.max_embedding_inputs, "256")?,
-        max_input_chars: count("max_input_chars", &s.max_input_chars, "100000")?,
-        thresholds: Thresholds {
-            warning: fraction("memory_warning_threshold", &s.memory_warning_threshold, "0.80")?,
-            critical: fraction("memory_critical_threshold", &s.memory_critical_threshold, "0.95")?,
-            emergency: fraction("memory_emergency_threshold", &s.memory_emergency_threshold, "0.98")?,
+        min_residency: duration("min_residency")?,
+        max_loaded_models: count("max_loaded_models")?,
+        retry_after: duration("retry_after")?,
+        state_dir: base.join(get("state_dir")),
+        shutdown_timeout: duration("shutdown_timeout")?,
+        acquire_timeout: positive("acquire_timeout")?,
+        max_request_size: size("max_request_size")?,
+        max_inflight_request_bytes: MemorySize::parse(&get("max_inflight_request_bytes"))
+            .map_err(|e| err("[server] max_inflight_request_bytes", e))?,
+        header_read_timeout: positive("header_read_timeout")?,
+        body_read_timeout: positive("body_read_timeout")?,
+        idle_timeout: positive("idle_timeout")?,
+        max_connections: match count("max_connections")? {
+            0 => return Err(err("[server] max_connections", "must be at least 1")),
+            n => n,
         },
-        memory_check_interval: duration("memory_check_interval", &s.memory_check_interval, "5s")?,
-        low_ram_mode: match get(&s.low_ram_mode, "false").as_str() {
+        intra_op_threads: count("intra_op_threads")?,
+        max_embedding_inputs: count("max_embedding_inputs")?,
+        max_input_chars: count("max_input_chars")?,
+        thresholds: Thresholds {
+            warning: fraction("memory_warning_threshold")?,
+            critical: fraction("memory_critical_threshold")?,
+            emergency: fraction("memory_emergency_threshold")?,
+        },
+        memory_check_interval: duration("memory_check_interval")?,
+        low_ram_mode: match get("low_ram_mode").as_str() {
             "true" | "1" => true,
             "false" | "0" => false,
             other => return Err(err("[server] low_ram_mode", format!("'{other}' is not true or false"))),
         },
-        admin_token: s.admin_token.as_ref().map(|t| t.to_string()).filter(|t| !t.is_empty()),
+        admin_token: s.text("admin_token").filter(|t| !t.is_empty()),
     };
     server.thresholds.validate().map_err(|e| err("[server] memory_*_threshold", e))?;
     if server.memory_check_interval < Duration::from_millis(10) {
@@ -297,7 +333,7 @@ pub fn resolve(
     for (name, raw) in &file.models {
         models.push(model_settings(name, raw, &server, base)?);
     }
-    let model_dir = model_dir_flag.or_else(|| s.model_dir.as_ref().map(|d| PathBuf::from(d.to_string())));
+    let model_dir = model_dir_flag.or_else(|| s.text("model_dir").map(PathBuf::from));
     if let Some(dir) = model_dir {
         for (name, path) in discover(&base.join(&dir))? {
             if models.iter().any(|m| m.name == name) {
@@ -431,7 +467,8 @@ mod tests {
     #[test]
     fn overrides_win_over_the_file() {
         let text = "[server]\nkeep_alive = \"1m\"\nheadroom = \"10MiB\"\n";
-        let over = RawServer { keep_alive: Some(Scalar::Str("-1".into())), ..RawServer::default() };
+        let mut over = RawServer::default();
+        over.set("keep_alive", "-1");
         let c = load(text, over).unwrap();
         assert_eq!(c.server.keep_alive, KeepAlive::Forever);
         assert_eq!(c.server.headroom, 10 << 20);
@@ -467,10 +504,32 @@ mod tests {
             ("[server]\nmemory_warning_threshold = 1.5", "[server] memory_warning_threshold"),
             ("[server]\nmemory_warning_threshold = 0.9\nmemory_critical_threshold = 0.85", "threshold"),
             ("[server]\nlow_ram_mode = \"maybe\"", "[server] low_ram_mode"),
+            ("[server]\nbody_read_timeout = \"0s\"", "[server] body_read_timeout"),
+            ("[server]\nmax_connections = 0", "[server] max_connections"),
+            ("[server]\nmax_inflight_request_bytes = \"lots\"", "[server] max_inflight_request_bytes"),
         ];
         for (text, key) in cases {
             let e = load(text, RawServer::default()).unwrap_err();
             assert!(e.0.contains(key), "{text:?} -> {e}");
+        }
+    }
+
+    #[test]
+    fn every_server_key_is_documented_in_the_readme_with_its_default() {
+        let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md"))
+            .expect("README.md");
+        for k in SERVER_KEYS {
+            let row = readme
+                .lines()
+                .find(|l| l.starts_with(&format!("| `{}` |", k.name)))
+                .unwrap_or_else(|| panic!("README has no table row for [server] {}", k.name));
+            if let Some(d) = k.default {
+                assert!(
+                    row.contains(&format!("`{d}`")),
+                    "README row of {} lacks its default `{d}`: {row}",
+                    k.name
+                );
+            }
         }
     }
 

@@ -6,6 +6,7 @@ pub mod config;
 pub mod dump;
 pub mod gpu;
 pub mod http;
+pub mod listener;
 
 use std::{future::Future, sync::Arc, time::Duration};
 
@@ -176,24 +177,52 @@ pub async fn serve(
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let limit = usize::try_from(state.settings.max_request_size).unwrap_or(usize::MAX);
-    let app = router(state.clone()).layer(axum::extract::DefaultBodyLimit::max(limit));
+    let s = &state.settings;
+    if let Some(warning) = http::auth::exposure_warning(&s.http_address, s.admin_token.as_deref()) {
+        tracing::warn!("{warning}");
+    }
+    raise_open_file_limit(s.max_connections);
+    let limits = listener::ConnectionLimits {
+        header_read_timeout: s.header_read_timeout,
+        idle_timeout: s.idle_timeout,
+        max_connections: s.max_connections,
+    };
     let drain = state.clone();
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-            tracing::info!("shutting down: refusing new work, waiting for requests in flight");
-            drain.begin_shutdown();
-            let timeout = drain.settings.shutdown_timeout;
-            if drain.manager.shutdown(timeout).await {
-                tracing::info!("all models unloaded");
-            } else {
-                tracing::warn!(
-                    timeout_s = timeout.as_secs_f64(),
-                    "requests still running at shutdown_timeout; exiting anyway"
-                );
-            }
-        })
-        .await
-        .context("the HTTP server failed")
+    let stop = async move {
+        shutdown.await;
+        tracing::info!("shutting down: refusing new work, waiting for requests in flight");
+        drain.begin_shutdown();
+        let timeout = drain.settings.shutdown_timeout;
+        if drain.manager.shutdown(timeout).await {
+            tracing::info!("all models unloaded");
+        } else {
+            tracing::warn!(
+                timeout_s = timeout.as_secs_f64(),
+                "requests still running at shutdown_timeout; exiting anyway"
+            );
+        }
+    };
+    listener::serve(listener, router(state.clone()), limits, stop).await;
+    Ok(())
+}
+
+/// Lifts the soft open-file limit toward the hard one, so `max_connections` sockets
+/// plus model files fit (many systems start processes at 1024).
+fn raise_open_file_limit(connections: usize) {
+    let want = (connections as u64).saturating_add(256);
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit only read and write the struct passed to them.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 || lim.rlim_cur >= want {
+            return;
+        }
+        let raised = libc::rlimit { rlim_cur: want.min(lim.rlim_max), rlim_max: lim.rlim_max };
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) != 0 || raised.rlim_cur < want {
+            tracing::warn!(
+                limit = raised.rlim_cur,
+                max_connections = connections,
+                "the open-file limit is below max_connections + 256; accepts may fail under load"
+            );
+        }
+    }
 }

@@ -2,9 +2,9 @@
 
 use std::{path::PathBuf, process::ExitCode};
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use snooze_core::units::format_bytes;
-use snooze_server::config::{self, RawServer, Scalar, DEFAULT_CONFIG};
+use snooze_server::config::{self, RawServer, DEFAULT_CONFIG};
 
 /// SnoozeML: serve many ML models from a machine that cannot hold them all at once.
 ///
@@ -57,8 +57,8 @@ enum LogFormat {
     Json,
 }
 
-/// Every `[server]` key can also be set by a flag or a `SNOOZE_<KEY>` variable
-/// (flag > env > file > default).
+/// `serve`'s own flags; every `[server]` key is added as `--<key>` / `SNOOZE_<KEY>`
+/// from [`config::SERVER_KEYS`] (flag > env > file > default).
 #[derive(clap::Args)]
 struct ServeArgs {
     /// Config file (TOML). Without it, the embedded default config serves the demo models.
@@ -67,98 +67,42 @@ struct ServeArgs {
     /// Serve every sub-folder of DIR holding model.onnx or 1/model.onnx, named after the folder.
     #[arg(long, env = "SNOOZE_MODEL_DIR")]
     model_dir: Option<PathBuf>,
-    /// Address to listen on [default: 127.0.0.1:8080]; port 0 picks a free port.
-    #[arg(long, env = "SNOOZE_HTTP_ADDRESS")]
-    http_address: Option<String>,
-    /// Memory budget for the whole process: "auto" (machine or cgroup limit minus headroom), "80%", "6GiB" [default: auto].
-    #[arg(long, env = "SNOOZE_HOST_MEMORY_LIMIT")]
-    host_memory_limit: Option<String>,
-    /// Memory kept free on top of each model's footprint [default: 64MiB].
-    #[arg(long, env = "SNOOZE_HEADROOM")]
-    headroom: Option<String>,
-    /// How long an idle model stays loaded after its last request; 0 = unload at once, -1 = never [default: 5m].
-    #[arg(long, env = "SNOOZE_KEEP_ALIVE", allow_hyphen_values = true)]
-    keep_alive: Option<String>,
-    /// A model is not evicted sooner than this after loading (stops ping-pong) [default: 10s].
-    #[arg(long, env = "SNOOZE_MIN_RESIDENCY")]
-    min_residency: Option<String>,
-    /// Most models loaded at once; 0 = no cap [default: 0].
-    #[arg(long, env = "SNOOZE_MAX_LOADED_MODELS")]
-    max_loaded_models: Option<String>,
-    /// Retry-After sent with refusals that have no better estimate [default: 5s].
-    #[arg(long, env = "SNOOZE_RETRY_AFTER")]
-    retry_after: Option<String>,
-    /// Where the server keeps its state (learned footprints) [default: .snooze].
-    #[arg(long, env = "SNOOZE_STATE_DIR")]
-    state_dir: Option<String>,
-    /// How long SIGTERM/SIGINT waits for requests in flight before unloading and exiting [default: 30s].
-    #[arg(long, env = "SNOOZE_SHUTDOWN_TIMEOUT")]
-    shutdown_timeout: Option<String>,
-    /// Longest a request waits for its model to load before a 503 [default: 120s].
-    #[arg(long, env = "SNOOZE_ACQUIRE_TIMEOUT")]
-    acquire_timeout: Option<String>,
-    /// Largest request body; larger ones get 413 [default: 64MiB].
-    #[arg(long, env = "SNOOZE_MAX_REQUEST_SIZE")]
-    max_request_size: Option<String>,
-    /// Threads one inference may use inside ONNX Runtime; 0 = runtime default [default: 0].
-    #[arg(long, env = "SNOOZE_INTRA_OP_THREADS")]
-    intra_op_threads: Option<String>,
-    /// Most inputs in one /v1/embeddings request [default: 256].
-    #[arg(long, env = "SNOOZE_MAX_EMBEDDING_INPUTS")]
-    max_embedding_inputs: Option<String>,
-    /// Longest text (in characters) one embedding input may have [default: 100000].
-    #[arg(long, env = "SNOOZE_MAX_INPUT_CHARS")]
-    max_input_chars: Option<String>,
-    /// Share of the budget (RSS / budget) that raises a warning alert [default: 0.80].
-    #[arg(long, env = "SNOOZE_MEMORY_WARNING_THRESHOLD")]
-    memory_warning_threshold: Option<String>,
-    /// Share of the budget at which loads must evict first and low-priority requests get 503 [default: 0.95].
-    #[arg(long, env = "SNOOZE_MEMORY_CRITICAL_THRESHOLD")]
-    memory_critical_threshold: Option<String>,
-    /// Share of the budget at which every idle, unpinned model is unloaded [default: 0.98].
-    #[arg(long, env = "SNOOZE_MEMORY_EMERGENCY_THRESHOLD")]
-    memory_emergency_threshold: Option<String>,
-    /// How often the memory monitor reads the probe (also after every load) [default: 5s].
-    #[arg(long, env = "SNOOZE_MEMORY_CHECK_INTERVAL")]
-    memory_check_interval: Option<String>,
-    /// Tune glibc for small RAM (one arena, 64 KiB mmap threshold) and trim after large requests [default: false].
-    #[arg(long, env = "SNOOZE_LOW_RAM_MODE")]
-    low_ram_mode: Option<String>,
-    /// Bearer token required by admin writes (gc, repository load/unload); unset = open.
-    #[arg(long, env = "SNOOZE_ADMIN_TOKEN", hide_env_values = true)]
-    admin_token: Option<String>,
     /// Log format.
     #[arg(long, env = "SNOOZE_LOG_FORMAT", value_enum, default_value = "text")]
     log_format: LogFormat,
 }
 
-impl ServeArgs {
-    fn overrides(&self) -> RawServer {
-        let s = |v: &Option<String>| v.clone().map(Scalar::Str);
-        RawServer {
-            http_address: s(&self.http_address),
-            host_memory_limit: s(&self.host_memory_limit),
-            headroom: s(&self.headroom),
-            keep_alive: s(&self.keep_alive),
-            min_residency: s(&self.min_residency),
-            max_loaded_models: s(&self.max_loaded_models),
-            retry_after: s(&self.retry_after),
-            state_dir: s(&self.state_dir),
-            model_dir: None,
-            shutdown_timeout: s(&self.shutdown_timeout),
-            acquire_timeout: s(&self.acquire_timeout),
-            max_request_size: s(&self.max_request_size),
-            intra_op_threads: s(&self.intra_op_threads),
-            max_embedding_inputs: s(&self.max_embedding_inputs),
-            max_input_chars: s(&self.max_input_chars),
-            memory_warning_threshold: s(&self.memory_warning_threshold),
-            memory_critical_threshold: s(&self.memory_critical_threshold),
-            memory_emergency_threshold: s(&self.memory_emergency_threshold),
-            memory_check_interval: s(&self.memory_check_interval),
-            low_ram_mode: s(&self.low_ram_mode),
-            admin_token: s(&self.admin_token),
+/// Whoever reads `--help` gets one flag per `[server]` key, with its env var and default.
+fn server_key_args() -> Vec<clap::Arg> {
+    let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
+    config::SERVER_KEYS
+        .iter()
+        .filter(|k| k.name != "model_dir") // a typed flag above: relative to the working directory
+        .map(|k| {
+            let help = match k.default {
+                Some(d) => format!("{} [default: {d}]", k.help),
+                None => k.help.to_string(),
+            };
+            clap::Arg::new(k.name)
+                .long(leak(k.name.replace('_', "-")))
+                .env(leak(format!("SNOOZE_{}", k.name.to_uppercase())))
+                .hide_env_values(k.secret)
+                .allow_hyphen_values(true)
+                .value_name("VALUE")
+                .help(help)
+        })
+        .collect()
+}
+
+/// The `[server]` keys set by flag or environment.
+fn overrides(matches: &clap::ArgMatches) -> RawServer {
+    let mut raw = RawServer::default();
+    for k in config::SERVER_KEYS {
+        if let Ok(Some(v)) = matches.try_get_one::<String>(k.name) {
+            raw.set(k.name, v.clone());
         }
     }
+    raw
 }
 
 fn load_config(
@@ -203,8 +147,8 @@ async fn shutdown_signal() {
     }
 }
 
-async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let config = load_config(args.config.as_ref(), args.overrides(), args.model_dir.clone())?;
+async fn serve(args: ServeArgs, overrides: RawServer) -> anyhow::Result<()> {
+    let config = load_config(args.config.as_ref(), overrides, args.model_dir.clone())?;
     let state = snooze_server::build(&config)?;
     let listener = tokio::net::TcpListener::bind(&config.server.http_address)
         .await
@@ -267,12 +211,14 @@ fn check(path: PathBuf, model_dir: Option<PathBuf>) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().mut_subcommand("serve", |c| c.args(server_key_args())).get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let result = match cli.command {
         Command::Serve(args) => {
             init_logs(args.log_format);
+            let overrides = matches.subcommand_matches("serve").map(overrides).unwrap_or_default();
             match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-                Ok(rt) => rt.block_on(serve(*args)),
+                Ok(rt) => rt.block_on(serve(*args, overrides)),
                 Err(e) => Err(e.into()),
             }
         }

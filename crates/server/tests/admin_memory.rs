@@ -28,8 +28,14 @@ fn post_auth(s: &Server, path: &str, token: Option<&str>) -> (u16, Value) {
 #[test]
 fn stats_gc_dump_and_the_admin_token() {
     let s = Server::start("admin-mem", &config("admin_token = \"s3cret\""), &[]);
-    // Admin writes need the token; reads and inference do not.
+    // Admin writes and admin reads need the token; inference and metadata do not.
     assert_eq!(post_auth(&s, "/v2/repository/models/a/load", None).0, 401);
+    for path in ["/admin/models", "/admin/memory/stats", "/admin/memory/dump"] {
+        let (status, body) = s.get(path);
+        assert_eq!((status, body["code"].as_str()), (401, Some("unauthorized")), "{path}");
+    }
+    assert_eq!(s.get("/v2/models/a").0, 200);
+    let s = s.with_token("s3cret");
     let (status, body) = post_auth(&s, "/admin/memory/gc", Some("wrong"));
     assert_eq!((status, body["code"].as_str()), (401, Some("unauthorized")));
     assert_eq!(post_auth(&s, "/v2/repository/models/a/load", Some("s3cret")).0, 200);

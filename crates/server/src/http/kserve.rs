@@ -1,11 +1,9 @@
 //! KServe v2 / Open Inference Protocol over REST, with the binary tensor data and
 //! model repository extensions.
 
-use std::collections::HashSet;
-
 use axum::{
-    body::Bytes,
-    extract::{rejection::BytesRejection, Path, State},
+    body::Body,
+    extract::{Path, State},
     http::{header, HeaderMap, HeaderValue, StatusCode},
     response::{IntoResponse, Response},
     routing::{get, post},
@@ -13,13 +11,13 @@ use axum::{
 };
 use serde_json::json;
 use snooze_core::{
-    lifecycle::StateName, ErrorKind, ModelInfo, ModelSignature, Priority, SnoozeError, Tensor,
+    lifecycle::StateName, ErrorKind, ModelInfo, Priority, SnoozeError, Task, Tensor, TensorData,
 };
 
 use super::{
-    body_error,
-    codec::{self, InferRequest, InferResponse, JsonData, RequestOutput, ResponseOutput},
-    memory::require_admin,
+    body::{optional_json, read_body, SMALL_BODY_LIMIT},
+    codec::{self, InferRequest, InferResponse, JsonData, OutputEncoding, ResponseOutput},
+    decode::{self, InputPlan},
     ok_json, AppError, AppState,
 };
 
@@ -39,6 +37,11 @@ pub fn routes() -> Router<AppState> {
         .route("/v2/models/{model}/infer", post(infer))
         .route("/v2/models/{model}/versions/{version}/infer", post(infer_v))
         .route("/v2/repository/index", post(repository_index))
+}
+
+/// The repository writes: behind the admin token when one is set.
+pub fn admin_routes() -> Router<AppState> {
+    Router::new()
         .route("/v2/repository/models/{model}/load", post(repository_load))
         .route("/v2/repository/models/{model}/unload", post(repository_unload))
 }
@@ -130,7 +133,7 @@ async fn infer(
     State(s): State<AppState>,
     Path(m): Path<String>,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Body,
 ) -> Result<Response, AppError> {
     run_infer(&s, &m, None, &headers, body).await
 }
@@ -139,7 +142,7 @@ async fn infer_v(
     State(s): State<AppState>,
     Path((m, v)): Path<(String, String)>,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Body,
 ) -> Result<Response, AppError> {
     run_infer(&s, &m, Some(&v), &headers, body).await
 }
@@ -149,30 +152,89 @@ async fn run_infer(
     name: &str,
     version: Option<&str>,
     headers: &HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Body,
 ) -> Result<Response, AppError> {
     state.admit()?;
     let info = model(state, name, version)?;
-    let body = body.map_err(|e| body_error(e, state.settings.max_request_size))?;
+    let mut charge = state.request_memory.charge();
+    let body = read_body(state, headers, body, state.settings.max_request_size, &mut charge).await?;
+    let large = body.len() >= LARGE_REQUEST;
     let header_len = headers.get(HEADER_LEN).map(|v| v.to_str().unwrap_or("?"));
     let (json_part, binary) = codec::split_body(&body, header_len)?;
-    let mut req: InferRequest = serde_json::from_slice(json_part).map_err(|e| {
+    let req: InferRequest = serde_json::from_slice(json_part).map_err(|e| {
         SnoozeError::invalid(format!("the body is not a valid KServe v2 inference request: {e}"))
     })?;
-    let inputs = codec::decode_inputs(&mut req, binary)?;
-    // A model whose files could not be read is not validated here: its load fails
-    // with the reason, which is the clearer error.
-    if let Ok(sig) = &info.signature {
-        validate(name, sig, &inputs, &req.outputs)?;
+    // A model whose files could not be read is checked structurally only: its load
+    // then fails with the reason, which is the clearer error.
+    let sig = info.signature.as_ref().ok();
+    let plans = decode::plan_inputs(&req, binary.len(), sig, name)?;
+    if info.task == Task::Embedding {
+        check_text_count(state, &plans)?;
     }
-    let wanted: Vec<String> = req.outputs.iter().map(|o| o.name.clone()).collect();
-    let outputs = state.manager.infer(name, priority(headers), inputs, wanted).await?;
-    let response = encode(name, &req, &outputs);
-    if state.settings.low_ram_mode && body.len() >= LARGE_REQUEST {
-        drop((body, req, outputs));
+    if let Some(sig) = sig {
+        if let Some((o, _)) =
+            OutputEncoding::of(&req).requested.iter().find(|(o, _)| !sig.outputs.iter().any(|s| &s.name == o))
+        {
+            let outputs = sig.outputs.iter().map(|s| s.name.as_str()).collect::<Vec<_>>().join(", ");
+            return Err(SnoozeError::invalid(format!(
+                "model '{name}' has no output '{o}' (outputs: {outputs})"
+            ))
+            .into());
+        }
+    }
+    let inputs = decode::decode(plans, binary)?;
+    if info.task == Task::Embedding {
+        check_text_lengths(state, &inputs)?;
+    }
+    let encoding = OutputEncoding::of(&req);
+    // What the request holds from here on: its tensors and the copy kept for an
+    // out-of-memory retry; the body is given back before the model runs.
+    let decoded: u64 = inputs.iter().map(|t| t.data.byte_size() as u64).sum();
+    charge.grow(decoded.saturating_mul(2))?;
+    drop(req);
+    drop(body);
+    charge.set(decoded.saturating_mul(2))?;
+    let outputs = state.manager.infer(name, priority(headers), inputs, encoding.output_names()).await?;
+    let response = encode(name, &encoding, &outputs);
+    if state.settings.low_ram_mode && large {
+        drop(outputs);
         tokio::task::spawn_blocking(snooze_core::memory::trim_heap);
     }
     Ok(response)
+}
+
+/// An embedding model's BYTES input obeys the limits of `/v1/embeddings`: the count
+/// before anything is decoded, ...
+fn check_text_count(state: &AppState, plans: &[InputPlan<'_>]) -> Result<(), SnoozeError> {
+    let max = state.settings.max_embedding_inputs;
+    match plans.iter().find(|p| p.count > max) {
+        Some(p) => Err(SnoozeError::invalid(format!(
+            "input '{}' holds {} texts, more than max_embedding_inputs ({max})",
+            p.name, p.count
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// ... and the length of each text once it is.
+fn check_text_lengths(state: &AppState, inputs: &[Tensor]) -> Result<(), SnoozeError> {
+    let max = state.settings.max_input_chars;
+    for t in inputs {
+        let TensorData::Bytes(items) = &t.data else { continue };
+        for (i, b) in items.iter().enumerate() {
+            // Bytes bound the characters: count only what could be too long.
+            if b.len() > max {
+                let chars = String::from_utf8_lossy(b).chars().count();
+                if chars > max {
+                    return Err(SnoozeError::invalid(format!(
+                        "input '{}' element {i} has {chars} characters, more than max_input_chars ({max})",
+                        t.name
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// In low-RAM mode the heap is trimmed after requests at least this large.
@@ -186,50 +248,12 @@ pub fn priority(headers: &HeaderMap) -> Priority {
     }
 }
 
-/// Checks names, datatypes and shapes against the model's declared signature.
-fn validate(
-    name: &str,
-    sig: &ModelSignature,
-    inputs: &[Tensor],
-    outputs: &[RequestOutput],
-) -> Result<(), SnoozeError> {
-    let list =
-        |v: &[snooze_core::TensorSpec]| v.iter().map(|s| s.name.as_str()).collect::<Vec<_>>().join(", ");
-    let mut seen = HashSet::new();
-    for t in inputs {
-        if !seen.insert(t.name.as_str()) {
-            return Err(SnoozeError::invalid(format!("input '{}' is given twice", t.name)));
-        }
-        let spec = sig.inputs.iter().find(|s| s.name == t.name).ok_or_else(|| {
-            SnoozeError::invalid(format!(
-                "model '{name}' has no input '{}' (inputs: {})",
-                t.name,
-                list(&sig.inputs)
-            ))
-        })?;
-        spec.check(t).map_err(SnoozeError::invalid)?;
-    }
-    if let Some(missing) = sig.inputs.iter().find(|s| !seen.contains(s.name.as_str())) {
-        return Err(SnoozeError::invalid(format!("input '{}' is missing", missing.name)));
-    }
-    for o in outputs {
-        if !sig.outputs.iter().any(|s| s.name == o.name) {
-            return Err(SnoozeError::invalid(format!(
-                "model '{name}' has no output '{}' (outputs: {})",
-                o.name,
-                list(&sig.outputs)
-            )));
-        }
-    }
-    Ok(())
-}
-
-fn encode(name: &str, req: &InferRequest, outputs: &[Tensor]) -> Response {
+fn encode(name: &str, enc: &OutputEncoding, outputs: &[Tensor]) -> Response {
     let mut binary = Vec::new();
     let outs = outputs
         .iter()
         .map(|t| {
-            if codec::wants_binary(req, &t.name) {
+            if enc.wants_binary(&t.name) {
                 let start = binary.len();
                 codec::to_binary(&t.data, &mut binary);
                 ResponseOutput {
@@ -250,9 +274,9 @@ fn encode(name: &str, req: &InferRequest, outputs: &[Tensor]) -> Response {
             }
         })
         .collect();
-    let resp = InferResponse { model_name: name, model_version: VERSION, id: req.id.clone(), outputs: outs };
+    let resp = InferResponse { model_name: name, model_version: VERSION, id: enc.id.clone(), outputs: outs };
     let mut body = serde_json::to_vec(&resp).unwrap_or_default();
-    if binary.is_empty() && !req.outputs.iter().any(|o| codec::wants_binary(req, &o.name)) {
+    if binary.is_empty() && !outputs.iter().any(|o| enc.wants_binary(&o.name)) {
         return ([(header::CONTENT_TYPE, "application/json")], body).into_response();
     }
     let json_len = body.len();
@@ -264,22 +288,19 @@ fn encode(name: &str, req: &InferRequest, outputs: &[Tensor]) -> Response {
     r
 }
 
-/// An optional JSON body: empty means `default`.
-fn optional_body<T: serde::de::DeserializeOwned + Default>(body: &[u8]) -> Result<T, SnoozeError> {
-    if body.iter().all(u8::is_ascii_whitespace) {
-        return Ok(T::default());
-    }
-    serde_json::from_slice(body)
-        .map_err(|e| SnoozeError::invalid(format!("the request body is not valid JSON: {e}")))
-}
-
 #[derive(serde::Deserialize, Default)]
 struct IndexRequest {
     ready: Option<bool>,
 }
 
-async fn repository_index(State(state): State<AppState>, body: Bytes) -> Result<Response, AppError> {
-    let req: IndexRequest = optional_body(&body)?;
+async fn repository_index(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, AppError> {
+    let mut charge = state.request_memory.charge();
+    let body = read_body(&state, &headers, body, SMALL_BODY_LIMIT, &mut charge).await?;
+    let req: IndexRequest = optional_json(&body)?;
     let status = state.manager.status().await;
     let list: Vec<_> = status
         .iter()
@@ -298,16 +319,24 @@ async fn repository_index(State(state): State<AppState>, body: Bytes) -> Result<
     Ok(ok_json(json!(list)))
 }
 
+/// The body of a repository load/unload (its parameters are optional; when present
+/// they must be JSON).
+async fn repository_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<(), SnoozeError> {
+    let mut charge = state.request_memory.charge();
+    let body = read_body(state, headers, body, SMALL_BODY_LIMIT, &mut charge).await?;
+    let _: serde_json::Value = optional_json(&body)?;
+    Ok(())
+}
+
 async fn repository_load(
     State(state): State<AppState>,
     Path(m): Path<String>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> Result<Response, AppError> {
     state.admit()?;
-    require_admin(&state, &headers)?;
-    // The body (parameters) is optional; when present it must be JSON.
-    let _: serde_json::Value = optional_body(&body)?;
+    state.manager.info(&m)?;
+    repository_body(&state, &headers, body).await?;
     state.manager.load(&m).await?;
     Ok(ok_json(json!({})))
 }
@@ -316,10 +345,10 @@ async fn repository_unload(
     State(state): State<AppState>,
     Path(m): Path<String>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> Result<Response, AppError> {
-    require_admin(&state, &headers)?;
-    let _: serde_json::Value = optional_body(&body)?;
+    state.manager.info(&m)?;
+    repository_body(&state, &headers, body).await?;
     state.manager.unload(&m).await?;
     Ok(ok_json(json!({})))
 }

@@ -3,15 +3,12 @@
 
 use axum::{
     extract::State,
-    http::HeaderMap,
     response::Response,
     routing::{get, post},
     Router,
 };
 use serde_json::{json, Value};
-use snooze_core::{
-    lifecycle::ModelStatus, memory::MemoryProbe, units::format_bytes, ErrorKind, HostProbe, SnoozeError,
-};
+use snooze_core::{lifecycle::ModelStatus, memory::MemoryProbe, units::format_bytes, HostProbe};
 
 use super::{
     admin::{model_json, rfc3339},
@@ -23,27 +20,6 @@ pub fn routes() -> Router<AppState> {
         .route("/admin/memory/stats", get(stats))
         .route("/admin/memory/gc", post(gc))
         .route("/admin/memory/dump", get(dump))
-}
-
-/// Admin writes need `Authorization: Bearer <admin_token>` when a token is set.
-pub fn require_admin(state: &AppState, headers: &HeaderMap) -> Result<(), SnoozeError> {
-    let Some(token) = &state.settings.admin_token else { return Ok(()) };
-    let given = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    // Constant-time comparison: do not leak the token's prefix through timing.
-    let ok = given.is_some_and(|g| {
-        g.len() == token.len() && g.bytes().zip(token.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
-    });
-    if ok {
-        Ok(())
-    } else {
-        Err(SnoozeError::new(
-            ErrorKind::Unauthorized,
-            "this admin endpoint needs 'Authorization: Bearer <admin_token>'",
-        ))
-    }
 }
 
 /// The host, then every GPU: total, free, held by this process, budget.
@@ -127,12 +103,18 @@ async fn stats(State(state): State<AppState>) -> Response {
         "thresholds": {"warning": t.warning, "critical": t.critical, "emergency": t.emergency},
         "history": pressure.history,
         "alerts": pressure.active_alerts().collect::<Vec<_>>(),
-        "recommendations": recommendations(&status, state.memory.budget_bytes, state.memory.baseline_bytes, state.settings.headroom),
+        "recommendations": recommendations(&status, state.memory.budget_bytes, state.memory.baseline_bytes, state.settings.headroom)
+            .into_iter()
+            .chain(super::auth::exposure_warning(&state.settings.http_address, state.settings.admin_token.as_deref()))
+            .collect::<Vec<_>>(),
+        "requests_in_flight": {
+            "bytes": state.request_memory.used(),
+            "limit_bytes": state.request_memory.limit(),
+        },
     }))
 }
 
-async fn gc(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, AppError> {
-    require_admin(&state, &headers)?;
+async fn gc(State(state): State<AppState>) -> Result<Response, AppError> {
     let report = state.manager.gc(None).await;
     Ok(ok_json(json!({"freed_bytes": report.freed_bytes, "models_unloaded": report.models_unloaded})))
 }

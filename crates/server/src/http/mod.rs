@@ -1,11 +1,21 @@
-//! HTTP: KServe v2 REST (`kserve`), the admin API (`admin`) and the OpenAI-compatible
-//! embeddings API (`openai`), over one shared [`AppState`].
+//! HTTP: KServe v2 REST (`kserve`), the admin API (`admin`, `memory`) and the
+//! OpenAI-compatible embeddings API (`openai`), over one shared [`AppState`].
+//!
+//! Nothing a client sends is trusted: bodies are read under a size limit, a deadline
+//! and the request-memory budget (`body`, `request_memory`), tensors are decoded
+//! bounded by the bytes that arrived (`decode`), admin routes sit behind `auth`, and
+//! every error — axum's own included — leaves as JSON (`error`).
 
 pub mod admin;
+pub mod auth;
+pub mod body;
 pub mod codec;
+pub mod decode;
+pub mod error;
 pub mod kserve;
 pub mod memory;
 pub mod openai;
+pub mod request_memory;
 
 use std::{
     sync::{
@@ -15,14 +25,14 @@ use std::{
     time::SystemTime,
 };
 
-use axum::{
-    http::{header, HeaderValue, StatusCode},
-    response::{IntoResponse, Response},
-    Json, Router,
-};
+use axum::{middleware, Router};
 use snooze_core::{ErrorKind, ModelManager, SnoozeError};
+use tower_http::catch_panic::CatchPanicLayer;
+
+pub use error::{status_of, AppError};
 
 use crate::{config::ServerSettings, ServerMemory};
+use request_memory::RequestMemory;
 
 /// What every handler shares; cheap to clone.
 #[derive(Clone)]
@@ -32,6 +42,8 @@ pub struct Inner {
     pub manager: ModelManager,
     pub settings: ServerSettings,
     pub memory: ServerMemory,
+    /// Bytes held by requests in flight, against `max_inflight_request_bytes`.
+    pub request_memory: Arc<RequestMemory>,
     pub shutting_down: AtomicBool,
     pub started: SystemTime,
 }
@@ -45,8 +57,10 @@ impl std::ops::Deref for AppState {
 
 impl AppState {
     pub fn new(manager: ModelManager, settings: ServerSettings, memory: ServerMemory) -> AppState {
+        let inflight = settings.max_inflight_request_bytes.resolve(memory.budget_bytes);
         AppState(Arc::new(Inner {
             manager,
+            request_memory: RequestMemory::new(inflight),
             settings,
             memory,
             shutting_down: AtomicBool::new(false),
@@ -74,78 +88,22 @@ impl AppState {
 
 /// The whole HTTP API.
 pub fn router(state: AppState) -> Router {
+    let admin = Router::new()
+        .merge(admin::routes())
+        .merge(memory::routes())
+        .merge(kserve::admin_routes())
+        .route_layer(middleware::from_fn_with_state(state.clone(), auth::require_admin));
     Router::new()
         .merge(kserve::routes())
         .merge(openai::routes())
-        .merge(admin::routes())
-        .merge(memory::routes())
-        .fallback(|| async { AppError(SnoozeError::new(ErrorKind::ModelNotFound, "no such endpoint")) })
+        .merge(admin)
+        // Plain text: `json_errors` gives it the error shape of its path.
+        .fallback(|| async { (axum::http::StatusCode::NOT_FOUND, "no such endpoint") })
         .with_state(state)
+        .layer(CatchPanicLayer::custom(error::panic_response))
+        .layer(middleware::from_fn(error::json_errors))
 }
 
-pub(crate) fn ok_json(value: serde_json::Value) -> Response {
-    Json(value).into_response()
-}
-
-/// The one error type of every KServe and admin handler: `{"error", "code"}`.
-pub struct AppError(pub SnoozeError);
-
-impl From<SnoozeError> for AppError {
-    fn from(e: SnoozeError) -> Self {
-        AppError(e)
-    }
-}
-
-/// The ARCHITECTURE table, HTTP column.
-pub fn status_of(e: &SnoozeError) -> StatusCode {
-    match e.kind {
-        ErrorKind::ModelNotFound => StatusCode::NOT_FOUND,
-        ErrorKind::InvalidInput => StatusCode::BAD_REQUEST,
-        ErrorKind::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-        ErrorKind::Overloaded | ErrorKind::InsufficientMemory | ErrorKind::ShuttingDown => {
-            StatusCode::SERVICE_UNAVAILABLE
-        }
-        ErrorKind::ModelFailed if e.retry_after.is_some() => StatusCode::SERVICE_UNAVAILABLE,
-        ErrorKind::ModelFailed | ErrorKind::Inference | ErrorKind::Internal => {
-            StatusCode::INTERNAL_SERVER_ERROR
-        }
-        ErrorKind::Unauthorized => StatusCode::UNAUTHORIZED,
-    }
-}
-
-/// Adds `Retry-After` (whole seconds, at least 1) to every 503 and to any error that has one.
-pub fn with_retry_after(mut resp: Response, e: &SnoozeError, default: std::time::Duration) -> Response {
-    let after = e.retry_after.or((resp.status() == StatusCode::SERVICE_UNAVAILABLE).then_some(default));
-    if let Some(after) = after {
-        let secs = after.as_secs_f64().ceil().max(1.0) as u64;
-        resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
-    }
-    resp
-}
-
-impl IntoResponse for AppError {
-    fn into_response(self) -> Response {
-        let e = self.0;
-        let status = status_of(&e);
-        if status.is_server_error() {
-            tracing::warn!(status = status.as_u16(), code = e.kind.code(), error = %e.message, "request failed");
-        }
-        let body = serde_json::json!({ "error": e.message, "code": e.kind.code() });
-        with_retry_after((status, Json(body)).into_response(), &e, std::time::Duration::from_secs(5))
-    }
-}
-
-/// Maps a body-read failure (size limit, aborted upload) to our error shape.
-pub fn body_error(e: axum::extract::rejection::BytesRejection, limit: u64) -> SnoozeError {
-    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        SnoozeError::new(
-            ErrorKind::PayloadTooLarge,
-            format!(
-                "the request body is larger than max_request_size ({})",
-                snooze_core::units::format_bytes(limit)
-            ),
-        )
-    } else {
-        SnoozeError::invalid(format!("cannot read the request body: {e}"))
-    }
+pub(crate) fn ok_json(value: serde_json::Value) -> axum::response::Response {
+    axum::response::IntoResponse::into_response(axum::Json(value))
 }

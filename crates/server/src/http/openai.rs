@@ -1,21 +1,30 @@
 //! OpenAI-compatible `POST /v1/embeddings` and `GET /v1/models`, so the official SDKs
 //! work unchanged. Errors take OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
 
-use std::time::UNIX_EPOCH;
+use std::{fmt, time::UNIX_EPOCH};
 
 use axum::{
-    body::Bytes,
-    extract::{rejection::BytesRejection, State},
+    body::Body,
+    extract::State,
+    http::HeaderMap,
     response::{IntoResponse, Response},
     routing::{get, post},
     Json, Router,
 };
 use base64::Engine;
-use serde::Deserialize;
-use serde_json::{json, Value};
-use snooze_core::{EmbedInput, ErrorKind, InferError, SnoozeError};
+use serde::{
+    de::{self, Deserializer, SeqAccess, Visitor},
+    Deserialize,
+};
+use serde_json::{json, value::RawValue, Value};
+use snooze_core::{EmbedInput, InferError, SnoozeError, Task};
 
-use super::{body_error, kserve::priority, status_of, with_retry_after, AppState};
+use super::{
+    body::read_body,
+    error::{error_response, openai_body},
+    kserve::priority,
+    AppState,
+};
 
 pub fn routes() -> Router<AppState> {
     Router::new().route("/v1/embeddings", post(embeddings)).route("/v1/models", get(models))
@@ -37,26 +46,15 @@ fn invalid(param: &'static str, msg: impl Into<String>) -> OpenAiError {
 impl IntoResponse for OpenAiError {
     fn into_response(self) -> Response {
         let OpenAiError(e, param) = self;
-        let status = status_of(&e);
-        let kind = match e.kind {
-            ErrorKind::InvalidInput | ErrorKind::PayloadTooLarge => "invalid_request_error",
-            ErrorKind::ModelNotFound => "invalid_request_error",
-            ErrorKind::Unauthorized => "authentication_error",
-            ErrorKind::Overloaded | ErrorKind::InsufficientMemory | ErrorKind::ShuttingDown => {
-                "service_unavailable"
-            }
-            _ => "server_error",
-        };
-        let body =
-            json!({"error": {"message": e.message, "type": kind, "param": param, "code": e.kind.code()}});
-        with_retry_after((status, Json(body)).into_response(), &e, std::time::Duration::from_secs(5))
+        error_response(&e, openai_body(&e, param))
     }
 }
 
 #[derive(Deserialize)]
-struct EmbeddingsRequest {
+struct EmbeddingsRequest<'a> {
     model: String,
-    input: Value,
+    #[serde(borrow)]
+    input: &'a RawValue,
     #[serde(default)]
     encoding_format: Option<String>,
     #[serde(default)]
@@ -66,87 +64,217 @@ struct EmbeddingsRequest {
     user: Option<String>,
 }
 
-/// `str | [str] | [int] | [[int]]` → what the embedder takes.
-fn parse_input(v: Value, max_inputs: usize, max_chars: usize) -> Result<EmbedInput, OpenAiError> {
-    let too_many = |n: usize| {
-        invalid("input", format!("{n} inputs is more than the {max_inputs} allowed in one request"))
-    };
-    let token = |v: &Value| {
-        v.as_u64()
-            .and_then(|t| u32::try_from(t).ok())
-            .ok_or_else(|| invalid("input", format!("token ids must be integers >= 0, got {v}")))
-    };
-    let check_text = |i: usize, s: &str| {
-        let n = s.chars().count();
-        if n > max_chars {
-            return Err(invalid(
-                "input",
-                format!("input {i} has {n} characters, more than max_input_chars ({max_chars})"),
-            ));
-        }
-        Ok(())
-    };
-    let items = match v {
-        Value::String(s) => {
-            check_text(0, &s)?;
-            return Ok(EmbedInput::Texts(vec![s]));
-        }
-        Value::Array(items) => items,
-        other => return Err(invalid("input", format!("input must be a string or an array, got {other}"))),
-    };
-    if items.is_empty() {
+/// `str | [str] | [int] | [[int]]` → what the embedder takes, parsed straight into
+/// typed vectors with every limit applied while parsing: the number of inputs, the
+/// characters of a text and the tokens of a token list (`max_input_chars` for both).
+fn parse_input(raw: &RawValue, max_inputs: usize, max_chars: usize) -> Result<EmbedInput, OpenAiError> {
+    let mut de = serde_json::Deserializer::from_str(raw.get());
+    let input = InputVisitor { max_inputs, max_chars }
+        .deserialize(&mut de)
+        .and_then(|v| de.end().map(|()| v))
+        .map_err(|e| {
+            // serde_json appends a position; the sentence before it is what a user needs.
+            let text = e.to_string();
+            let text = text.split(" at line ").next().unwrap_or(&text).to_string();
+            invalid("input", text)
+        })?;
+    if input.is_empty() {
         return Err(invalid("input", "input must not be empty"));
     }
-    match &items[0] {
-        Value::String(_) => {
-            if items.len() > max_inputs {
-                return Err(too_many(items.len()));
+    Ok(input)
+}
+
+struct InputVisitor {
+    max_inputs: usize,
+    max_chars: usize,
+}
+
+impl InputVisitor {
+    fn deserialize<'de, D: Deserializer<'de>>(self, d: D) -> Result<EmbedInput, D::Error> {
+        d.deserialize_any(self)
+    }
+
+    fn text<E: de::Error>(&self, i: usize, s: String) -> Result<String, E> {
+        // Bytes bound the characters: count only what could be too long.
+        if s.len() > self.max_chars {
+            let n = s.chars().count();
+            if n > self.max_chars {
+                return Err(E::custom(format_args!(
+                    "input {i} has {n} characters, more than max_input_chars ({})",
+                    self.max_chars
+                )));
             }
-            let texts = items
-                .into_iter()
-                .enumerate()
-                .map(|(i, v)| match v {
-                    Value::String(s) => check_text(i, &s).map(|_| s),
-                    other => {
-                        Err(invalid("input", format!("input {i} is {other}, but the array holds strings")))
-                    }
-                })
-                .collect::<Result<_, _>>()?;
-            Ok(EmbedInput::Texts(texts))
         }
-        Value::Number(_) => {
-            Ok(EmbedInput::TokenIds(vec![items.iter().map(token).collect::<Result<_, _>>()?]))
-        }
-        Value::Array(_) => {
-            if items.len() > max_inputs {
-                return Err(too_many(items.len()));
+        Ok(s)
+    }
+}
+
+/// One element of an input array, before the array's kind is known.
+enum Item {
+    Text(String),
+    Token(u32),
+    Tokens(Vec<u32>),
+}
+
+/// A token-id list, bounded while it is parsed.
+struct TokenList {
+    max: usize,
+}
+
+impl<'de> Visitor<'de> for TokenList {
+    type Value = Vec<u32>;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an array of token ids")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u32>, A::Error> {
+        let mut ids = Vec::new();
+        while let Some(id) = seq.next_element::<Token>()? {
+            if ids.len() == self.max {
+                return Err(de::Error::custom(format_args!(
+                    "a token-id list is longer than max_input_chars ({})",
+                    self.max
+                )));
             }
-            let lists = items
-                .iter()
-                .enumerate()
-                .map(|(i, v)| match v {
-                    Value::Array(ids) if !ids.is_empty() => {
-                        ids.iter().map(token).collect::<Result<Vec<_>, _>>()
-                    }
-                    other => Err(invalid(
-                        "input",
-                        format!("input {i} is {other}, but the array holds token-id arrays"),
-                    )),
-                })
-                .collect::<Result<_, _>>()?;
-            Ok(EmbedInput::TokenIds(lists))
+            ids.push(id.0);
         }
-        other => Err(invalid("input", format!("input must hold strings or token ids, got {other}"))),
+        Ok(ids)
+    }
+}
+
+/// A token id: an integer that fits u32.
+struct Token(u32);
+
+impl<'de> Deserialize<'de> for Token {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Token, D::Error> {
+        let v = i64::deserialize(d).map_err(|_| de::Error::custom("token ids must be integers >= 0"))?;
+        u32::try_from(v).map(Token).map_err(|_| {
+            de::Error::custom(format_args!("token id {v} is not an integer >= 0 that fits 32 bits"))
+        })
+    }
+}
+
+/// Decides what an array element is from its first character.
+struct ItemSeed {
+    max_tokens: usize,
+}
+
+impl<'de> de::DeserializeSeed<'de> for ItemSeed {
+    type Value = Item;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Item, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ItemSeed {
+    type Value = Item;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a string, a token id or an array of token ids")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Item, E> {
+        Ok(Item::Text(v.to_string()))
+    }
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Item, E> {
+        Ok(Item::Text(v))
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Item, E> {
+        u32::try_from(v)
+            .map(Item::Token)
+            .map_err(|_| E::custom(format_args!("token id {v} does not fit 32 bits")))
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Item, E> {
+        u32::try_from(v).map(Item::Token).map_err(|_| E::custom("token ids must be integers >= 0"))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Item, A::Error> {
+        TokenList { max: self.max_tokens }.visit_seq(seq).map(Item::Tokens)
+    }
+}
+
+impl<'de> Visitor<'de> for InputVisitor {
+    type Value = EmbedInput;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a string, an array of strings, an array of token ids or an array of token-id arrays")
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<EmbedInput, E> {
+        self.visit_string(v.to_string())
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> Result<EmbedInput, E> {
+        Ok(EmbedInput::Texts(vec![self.text(0, v)?]))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<EmbedInput, A::Error> {
+        let seed = || ItemSeed { max_tokens: self.max_chars };
+        let Some(first) = seq.next_element_seed(seed())? else {
+            return Ok(EmbedInput::Texts(Vec::new()));
+        };
+        let too_many = || {
+            de::Error::custom(format_args!(
+                "more than the {} inputs allowed in one request (max_embedding_inputs)",
+                self.max_inputs
+            ))
+        };
+        let mismatch = |i: usize, holds: &str| {
+            de::Error::custom(format_args!("input {i} is not like input 0: the array holds {holds}"))
+        };
+        match first {
+            Item::Text(t) => {
+                let mut texts = vec![self.text(0, t)?];
+                while let Some(item) = seq.next_element_seed(seed())? {
+                    let i = texts.len();
+                    if i == self.max_inputs {
+                        return Err(too_many());
+                    }
+                    match item {
+                        Item::Text(t) => texts.push(self.text(i, t)?),
+                        _ => return Err(mismatch(i, "strings")),
+                    }
+                }
+                Ok(EmbedInput::Texts(texts))
+            }
+            Item::Token(t) => {
+                let mut ids = vec![t];
+                while let Some(id) = seq.next_element::<Token>()? {
+                    if ids.len() == self.max_chars {
+                        return Err(de::Error::custom(format_args!(
+                            "a token-id list is longer than max_input_chars ({})",
+                            self.max_chars
+                        )));
+                    }
+                    ids.push(id.0);
+                }
+                Ok(EmbedInput::TokenIds(vec![ids]))
+            }
+            Item::Tokens(first) => {
+                let mut lists = vec![first];
+                while let Some(item) = seq.next_element_seed(seed())? {
+                    let i = lists.len();
+                    if i == self.max_inputs {
+                        return Err(too_many());
+                    }
+                    match item {
+                        Item::Tokens(ids) => lists.push(ids),
+                        _ => return Err(mismatch(i, "token-id arrays")),
+                    }
+                }
+                if let Some(i) = lists.iter().position(Vec::is_empty) {
+                    return Err(de::Error::custom(format_args!("input {i} is an empty token-id array")));
+                }
+                Ok(EmbedInput::TokenIds(lists))
+            }
+        }
     }
 }
 
 async fn embeddings(
     State(state): State<AppState>,
-    headers: axum::http::HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    headers: HeaderMap,
+    body: Body,
 ) -> Result<Response, OpenAiError> {
     state.admit()?;
-    let body = body.map_err(|e| body_error(e, state.settings.max_request_size))?;
+    let mut charge = state.request_memory.charge();
+    let body = read_body(&state, &headers, body, state.settings.max_request_size, &mut charge).await?;
     let req: EmbeddingsRequest = serde_json::from_slice(&body)
         .map_err(|e| invalid("input", format!("the body is not a valid embeddings request: {e}")))?;
     let base64 = match req.encoding_format.as_deref() {
@@ -160,41 +288,48 @@ async fn embeddings(
         }
     };
     let info = state.manager.info(&req.model).map_err(|e| OpenAiError(e, Some("model")))?;
-    if info.backend != "candle" {
+    if info.task != Task::Embedding {
         return Err(invalid("model", format!("model '{}' is not a text-embedding model", req.model)));
     }
     let input = parse_input(req.input, state.settings.max_embedding_inputs, state.settings.max_input_chars)?;
     let dimensions = match req.dimensions {
         None => None,
-        Some(d) if d >= 1 => Some(d as usize),
+        Some(d) if d >= 1 => Some(usize::try_from(d).unwrap_or(usize::MAX)),
         Some(d) => return Err(invalid("dimensions", format!("dimensions must be at least 1, got {d}"))),
     };
-    let result = state.manager.run(&req.model, priority(&headers), move |m| {
-        let e = m.as_embedder().ok_or_else(|| InferError::InvalidInput("this model does not produce embeddings".into()))?;
-        if let Some(d) = dimensions {
-            if d > e.dimensions() {
-                return Err(InferError::InvalidInput(format!(
-                    "dimensions {d} is more than the model's {}",
-                    e.dimensions()
-                )));
+    let model = req.model;
+    drop(body);
+    let result = state
+        .manager
+        .run(&model, priority(&headers), move |m| {
+            let e = m
+                .as_embedder()
+                .ok_or_else(|| InferError::InvalidInput("this model does not produce embeddings".into()))?;
+            if let Some(d) = dimensions {
+                if d > e.dimensions() {
+                    return Err(InferError::InvalidInput(format!(
+                        "dimensions {d} is more than the model's {}",
+                        e.dimensions()
+                    )));
+                }
+                if !e.normalized() {
+                    return Err(InferError::InvalidInput(
+                        "this model's vectors are not normalized, so they cannot be shortened with dimensions"
+                            .into(),
+                    ));
+                }
             }
-            if !e.normalized() {
-                return Err(InferError::InvalidInput(
-                    "this model's vectors are not normalized, so they cannot be shortened with dimensions".into(),
-                ));
+            let mut out = e.embed(&input)?;
+            if let Some(d) = dimensions {
+                for v in &mut out.vectors {
+                    v.truncate(d);
+                    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
+                    v.iter_mut().for_each(|x| *x /= norm);
+                }
             }
-        }
-        let mut out = e.embed(&input)?;
-        if let Some(d) = dimensions {
-            for v in &mut out.vectors {
-                v.truncate(d);
-                let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
-                v.iter_mut().for_each(|x| *x /= norm);
-            }
-        }
-        Ok(out)
-    })
-    .await?;
+            Ok(out)
+        })
+        .await?;
     let data: Vec<Value> = result
         .vectors
         .iter()
@@ -212,7 +347,7 @@ async fn embeddings(
     Ok(Json(json!({
         "object": "list",
         "data": data,
-        "model": req.model,
+        "model": model,
         "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
     }))
     .into_response())
@@ -235,16 +370,23 @@ mod tests {
 
     #[test]
     fn input_forms() {
-        let p = |v: Value| parse_input(v, 4, 10).map_err(|e| e.0.message);
-        assert_eq!(p(json!("hi")).unwrap(), EmbedInput::Texts(vec!["hi".into()]));
-        assert_eq!(p(json!(["a", "b"])).unwrap(), EmbedInput::Texts(vec!["a".into(), "b".into()]));
-        assert_eq!(p(json!([1, 2])).unwrap(), EmbedInput::TokenIds(vec![vec![1, 2]]));
-        assert_eq!(p(json!([[1], [2, 3]])).unwrap(), EmbedInput::TokenIds(vec![vec![1], vec![2, 3]]));
-        assert!(p(json!([])).unwrap_err().contains("empty"));
-        assert!(p(json!(["a", 1])).unwrap_err().contains("input 1"));
-        assert!(p(json!(vec!["a"; 5])).unwrap_err().contains("5 inputs"));
-        assert!(p(json!("x".repeat(11))).unwrap_err().contains("max_input_chars"));
-        assert!(p(json!([-1])).unwrap_err().contains("token ids"));
-        assert!(p(json!({"a": 1})).unwrap_err().contains("string or an array"));
+        let p = |v: &str| {
+            let raw: Box<RawValue> = serde_json::from_str(v).unwrap();
+            parse_input(&raw, 4, 10).map_err(|e| e.0.message)
+        };
+        assert_eq!(p(r#""hi""#).unwrap(), EmbedInput::Texts(vec!["hi".into()]));
+        assert_eq!(p(r#"["a", "b"]"#).unwrap(), EmbedInput::Texts(vec!["a".into(), "b".into()]));
+        assert_eq!(p("[1, 2]").unwrap(), EmbedInput::TokenIds(vec![vec![1, 2]]));
+        assert_eq!(p("[[1], [2, 3]]").unwrap(), EmbedInput::TokenIds(vec![vec![1], vec![2, 3]]));
+        assert!(p("[]").unwrap_err().contains("empty"));
+        assert!(p(r#"["a", 1]"#).unwrap_err().contains("input 1"));
+        assert!(p(r#"["a","a","a","a","a"]"#).unwrap_err().contains("more than the 4 inputs"));
+        assert!(p(&format!("{:?}", "x".repeat(11))).unwrap_err().contains("max_input_chars"));
+        assert!(p("[-1]").unwrap_err().contains("token ids"));
+        assert!(p(r#"{"a": 1}"#).unwrap_err().contains("a string"));
+        assert!(p("[[1], []]").unwrap_err().contains("input 1 is an empty"));
+        assert!(p("[1,2,3,4,5,6,7,8,9,10,11]").unwrap_err().contains("longer than max_input_chars"));
+        assert!(p("[4294967296]").unwrap_err().contains("32 bits"));
+        assert!(p("[1.5]").unwrap_err().contains("a string, a token id"), "{:?}", p("[1.5]"));
     }
 }

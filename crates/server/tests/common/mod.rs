@@ -38,6 +38,8 @@ pub struct Server {
     pub base: String,
     pub logs: Arc<Mutex<Vec<String>>>,
     pub dir: PathBuf,
+    /// Sent as `Authorization: Bearer` by `get`/`post` when set.
+    pub token: Option<String>,
 }
 
 impl Server {
@@ -90,21 +92,34 @@ impl Server {
             let _ = child.kill();
             panic!("server did not start: {:?}", logs.lock().expect("logs"))
         });
-        Server { child, base: format!("http://{addr}"), logs, dir }
+        Server { child, base: format!("http://{addr}"), logs, dir, token: None }
     }
 
     pub fn url(&self, path: &str) -> String {
         format!("{}{}", self.base, path)
     }
 
+    /// Authenticates the helpers' requests from now on.
+    pub fn with_token(mut self, token: &str) -> Server {
+        self.token = Some(token.to_string());
+        self
+    }
+
+    fn authed(&self, r: reqwest::blocking::RequestBuilder) -> reqwest::blocking::RequestBuilder {
+        match &self.token {
+            Some(t) => r.bearer_auth(t),
+            None => r,
+        }
+    }
+
     pub fn get(&self, path: &str) -> (u16, Value) {
-        let r = client().get(self.url(path)).send().expect("GET");
+        let r = self.authed(client().get(self.url(path))).send().expect("GET");
         let status = r.status().as_u16();
         (status, r.json().unwrap_or(Value::Null))
     }
 
     pub fn post(&self, path: &str, body: &Value) -> (u16, Value, Option<String>) {
-        let r = client().post(self.url(path)).json(body).send().expect("POST");
+        let r = self.authed(client().post(self.url(path))).json(body).send().expect("POST");
         let status = r.status().as_u16();
         let retry = r.headers().get("retry-after").map(|v| v.to_str().unwrap_or("").to_string());
         (status, r.json().unwrap_or(Value::Null), retry)

@@ -1,0 +1,144 @@
+//! Memory held by requests in flight: bodies, decoded tensors, the copy kept for an
+//! out-of-memory retry. No model footprint covers it, so it gets a budget of its own
+//! (`max_inflight_request_bytes`): a request is charged as its bytes arrive and as it
+//! decodes them, and past the budget it is refused with 503 + Retry-After instead of
+//! pushing the process toward the kernel's OOM killer.
+
+use std::{
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use snooze_core::{units::format_bytes as fb, ErrorKind, SnoozeError};
+
+/// Requests finish in milliseconds: a refused client may come back soon.
+const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// The shared budget.
+#[derive(Debug)]
+pub struct RequestMemory {
+    limit: u64,
+    used: AtomicU64,
+}
+
+impl RequestMemory {
+    pub fn new(limit: u64) -> Arc<RequestMemory> {
+        Arc::new(RequestMemory { limit, used: AtomicU64::new(0) })
+    }
+
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// Bytes charged to requests in flight now.
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// An empty charge that grows with the request.
+    pub fn charge(self: &Arc<Self>) -> Charge {
+        Charge { pool: self.clone(), bytes: 0 }
+    }
+}
+
+/// What one request is charged; given back when dropped.
+#[derive(Debug)]
+pub struct Charge {
+    pool: Arc<RequestMemory>,
+    bytes: u64,
+}
+
+impl Charge {
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Charges `more` bytes, or refuses: 413 when the request alone could never fit the
+    /// budget, 503 + Retry-After when the requests in flight leave no room now.
+    pub fn grow(&mut self, more: u64) -> Result<(), SnoozeError> {
+        let limit = self.pool.limit;
+        let mine = self.bytes.saturating_add(more);
+        if mine > limit {
+            return Err(SnoozeError::new(
+                ErrorKind::PayloadTooLarge,
+                format!(
+                    "the request needs {} in memory, more than max_inflight_request_bytes ({}) allows any request",
+                    fb(mine),
+                    fb(limit)
+                ),
+            ));
+        }
+        let taken = self.pool.used.fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+            used.checked_add(more).filter(|total| *total <= limit)
+        });
+        match taken {
+            Ok(_) => {
+                self.bytes = mine;
+                Ok(())
+            }
+            Err(used) => Err(SnoozeError::new(
+                ErrorKind::Overloaded,
+                format!(
+                    "requests in flight hold {} of max_inflight_request_bytes ({}); this one needs {} more",
+                    fb(used),
+                    fb(limit),
+                    fb(more)
+                ),
+            )
+            .retry_after(RETRY_AFTER)),
+        }
+    }
+
+    /// Sets the charge to `bytes`: lower always works, higher as [`grow`](Self::grow).
+    pub fn set(&mut self, bytes: u64) -> Result<(), SnoozeError> {
+        if bytes >= self.bytes {
+            return self.grow(bytes - self.bytes);
+        }
+        self.pool.used.fetch_sub(self.bytes - bytes, Ordering::AcqRel);
+        self.bytes = bytes;
+        Ok(())
+    }
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.pool.used.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn charges_add_up_refuse_past_the_limit_and_come_back_on_drop() {
+        let pool = RequestMemory::new(100);
+        let mut a = pool.charge();
+        a.grow(60).unwrap();
+        let mut b = pool.charge();
+        let e = b.grow(50).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Overloaded);
+        assert!(e.retry_after.is_some() && e.message.contains("60 B"), "{}", e.message);
+        assert_eq!(b.bytes(), 0, "a refused charge takes nothing");
+        b.grow(40).unwrap();
+        assert_eq!(pool.used(), 100);
+        a.set(10).unwrap();
+        assert_eq!(pool.used(), 50);
+        drop(a);
+        drop(b);
+        assert_eq!(pool.used(), 0);
+    }
+
+    #[test]
+    fn a_request_bigger_than_the_budget_is_413_not_503() {
+        let pool = RequestMemory::new(100);
+        let e = pool.charge().grow(101).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::PayloadTooLarge);
+        assert_eq!(pool.used(), 0);
+    }
+}
