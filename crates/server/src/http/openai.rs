@@ -33,6 +33,12 @@ pub fn routes() -> Router<AppState> {
 /// An error in OpenAI's shape.
 pub struct OpenAiError(SnoozeError, Option<&'static str>);
 
+impl OpenAiError {
+    pub fn error(&self) -> &SnoozeError {
+        &self.0
+    }
+}
+
 impl From<SnoozeError> for OpenAiError {
     fn from(e: SnoozeError) -> Self {
         OpenAiError(e, None)
@@ -67,7 +73,7 @@ struct EmbeddingsRequest<'a> {
 /// `str | [str] | [int] | [[int]]` → what the embedder takes, parsed straight into
 /// typed vectors with every limit applied while parsing: the number of inputs, the
 /// characters of a text and the tokens of a token list (`max_input_chars` for both).
-fn parse_input(raw: &RawValue, max_inputs: usize, max_chars: usize) -> Result<EmbedInput, OpenAiError> {
+pub fn parse_input(raw: &RawValue, max_inputs: usize, max_chars: usize) -> Result<EmbedInput, OpenAiError> {
     let mut de = serde_json::Deserializer::from_str(raw.get());
     let input = InputVisitor { max_inputs, max_chars }
         .deserialize(&mut de)
