@@ -112,6 +112,11 @@ impl Server {
         }
     }
 
+    /// GET with a bearer token; the JSON body.
+    pub fn get_with_token(&self, path: &str, token: &str) -> Value {
+        client().get(self.url(path)).bearer_auth(token).send().expect("GET").json().unwrap_or(Value::Null)
+    }
+
     pub fn get(&self, path: &str) -> (u16, Value) {
         let r = self.authed(client().get(self.url(path))).send().expect("GET");
         let status = r.status().as_u16();
