@@ -16,6 +16,7 @@
 
 mod layout;
 mod model;
+pub mod truncate;
 
 use std::{fs, path::Path, sync::Arc};
 

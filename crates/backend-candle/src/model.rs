@@ -86,7 +86,10 @@ impl CandleModel {
         let seqs: Vec<Vec<u32>> = match input {
             // The tokenizer was set at load to truncate (keeping its special tokens) and not to pad.
             EmbedInput::Texts(texts) => {
-                let texts: Vec<&str> = texts.iter().map(String::as_str).collect();
+                let texts: Vec<&str> = texts
+                    .iter()
+                    .map(|t| crate::truncate::tokenizer_prefix(&self.tokenizer, t, self.max_seq_len))
+                    .collect();
                 let encodings = self
                     .tokenizer
                     .encode_batch(texts, true)

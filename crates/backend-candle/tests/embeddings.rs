@@ -205,3 +205,42 @@ fn broken_folders_fail_with_a_sentence() {
         assert!(err.unwrap().to_string().contains("cuda"));
     }
 }
+
+#[test]
+fn long_texts_are_cut_before_tokenizing_and_keep_the_same_tokens() {
+    use tokenizers::{Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy};
+    let mut tok = Tokenizer::from_file(model_dir().join("tokenizer.json")).unwrap();
+    tok.with_padding(None);
+    tok.with_truncation(Some(TruncationParams {
+        direction: TruncationDirection::Right,
+        max_length: 256,
+        strategy: TruncationStrategy::LongestFirst,
+        stride: 0,
+    }))
+    .unwrap();
+    let fx = fixture();
+    let all = fx.sentences.join(" ");
+    let long = all.repeat(100_000 / all.len() + 1);
+    // CJK without spaces, and one very long word, test the cut where whitespace is rare.
+    let cjk = "自然语言处理是人工智能的一个分支".repeat(4000);
+    let word = format!("{} tail words after it", "x".repeat(50_000));
+    for (what, text) in [("mixed", long.as_str()), ("cjk", cjk.as_str()), ("long word", word.as_str())] {
+        let prefix = snooze_backend_candle::truncate::tokenizer_prefix(&tok, text, 256);
+        let full = tok.encode(text, true).unwrap();
+        let cut = tok.encode(prefix, true).unwrap();
+        assert_eq!(cut.get_ids(), full.get_ids(), "{what}: the cut changed the tokens the model keeps");
+        if what == "mixed" {
+            assert!(prefix.len() < 8_000, "{what}: {} of {} bytes tokenized", prefix.len(), text.len());
+        }
+    }
+    for s in &fx.sentences {
+        let prefix = snooze_backend_candle::truncate::tokenizer_prefix(&tok, s, 256);
+        assert_eq!(
+            tok.encode(prefix, true).unwrap().get_ids(),
+            tok.encode(s.as_str(), true).unwrap().get_ids()
+        );
+        if s.len() < 2048 {
+            assert_eq!(prefix, s.as_str(), "short texts are kept whole");
+        }
+    }
+}

@@ -329,3 +329,17 @@ async fn a_backend_panic_is_a_500_naming_the_model_then_a_backoff_not_a_reload_s
     assert!(m.infer("a", Priority::Normal, batch(1), vec![]).await.is_ok());
     assert_eq!(backend.loads.load(Ordering::SeqCst), 2);
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_unload_waiting_on_a_long_request_answers_within_the_bound_and_still_happens() {
+    let (m, _, free) = setup(&["a"], KeepAlive::Forever);
+    let lease = m.acquire("a").await.unwrap();
+    let e = m.unload("a").await.unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Overloaded);
+    assert!(e.retry_after.is_some() && e.message.contains("still serving"), "{}", e.message);
+    drop(lease);
+    while state(&m, "a").await != crate::lifecycle::StateName::Unloaded {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(free.load(Ordering::SeqCst), 250 * MB, "the unload went on once the request ended");
+}
