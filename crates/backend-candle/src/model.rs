@@ -206,9 +206,9 @@ impl Embedder for CandleModel {
 
     fn embed(&self, input: &EmbedInput) -> Result<Embeddings, InferError> {
         let seqs = self.token_ids(input)?;
-        let prompt_tokens = seqs.iter().map(Vec::len).sum();
+        let tokens = seqs.iter().map(Vec::len).collect();
         let vectors = self.embed_ids(&seqs)?;
-        Ok(Embeddings { vectors, prompt_tokens })
+        Ok(Embeddings::new(vectors, tokens))
     }
 }
 
@@ -217,33 +217,33 @@ impl LoadedModel for CandleModel {
         &self.signature
     }
 
-    fn infer(&self, inputs: Vec<Tensor>, outputs: &[String]) -> Result<Vec<Tensor>, InferError> {
+    fn infer(&self, inputs: &[Tensor], outputs: &[String]) -> Result<Vec<Tensor>, InferError> {
         if let Some(unknown) = outputs.iter().find(|o| o.as_str() != OUTPUT_NAME) {
             return Err(InferError::InvalidInput(format!(
                 "unknown output '{unknown}'; this model has one output, '{OUTPUT_NAME}'"
             )));
         }
         let input = match inputs.len() {
-            1 => inputs.into_iter().next(),
-            _ => inputs.into_iter().find(|t| t.name == "text"),
+            1 => inputs.first(),
+            _ => inputs.iter().find(|t| t.name == "text"),
         };
         let input = input.ok_or_else(|| {
             InferError::InvalidInput(
                 "expected one BYTES input of texts (named 'text' when there are several)".into(),
             )
         })?;
-        let name = input.name;
-        let TensorData::Bytes(items) = input.data else {
+        let name = &input.name;
+        let TensorData::Bytes(items) = &input.data else {
             return Err(InferError::InvalidInput(format!(
                 "input '{name}' has datatype {} but the model expects BYTES (UTF-8 texts)",
                 input.data.datatype()
             )));
         };
         let texts = items
-            .into_iter()
+            .iter()
             .enumerate()
             .map(|(i, bytes)| {
-                String::from_utf8(bytes).map_err(|_| {
+                String::from_utf8(bytes.clone()).map_err(|_| {
                     InferError::InvalidInput(format!("input '{name}' element {i} is not valid UTF-8 text"))
                 })
             })

@@ -44,7 +44,7 @@ fn every_sentence_alone_matches_sentence_transformers() {
         let out = e.embed(&EmbedInput::Texts(vec![s.clone()])).unwrap();
         assert_matches(&fx, &[i], &out.vectors, "alone");
         // Usage counts the tokens actually run, special tokens included, after truncation.
-        assert_eq!(out.prompt_tokens, fx.token_counts[i], "tokens of sentence {i}");
+        assert_eq!(out.prompt_tokens(), fx.token_counts[i], "tokens of sentence {i}");
     }
 }
 
@@ -87,7 +87,7 @@ fn token_ids_give_the_same_vectors_as_text() {
     let by_ids = e.embed(&EmbedInput::TokenIds(ids.clone())).unwrap();
     let texts: Vec<String> = short.iter().map(|&i| fx.sentences[i].clone()).collect();
     let by_text = e.embed(&EmbedInput::Texts(texts)).unwrap();
-    assert_eq!(by_ids.prompt_tokens, by_text.prompt_tokens);
+    assert_eq!(by_ids.prompt_tokens(), by_text.prompt_tokens());
     for (a, b) in by_ids.vectors.iter().zip(&by_text.vectors) {
         assert!(max_abs_diff(a, b) <= 1e-6);
     }
@@ -107,17 +107,17 @@ fn long_inputs_are_truncated_to_the_limit() {
     // Anything past the limit is cut, so appending more text changes nothing.
     let longer = format!("{} and then a great many more words that the model never sees", fx.sentences[long]);
     let out = e.embed(&EmbedInput::Texts(vec![fx.sentences[long].clone(), longer])).unwrap();
-    assert_eq!(out.prompt_tokens, 2 * fx.max_seq_length);
+    assert_eq!(out.prompt_tokens(), 2 * fx.max_seq_length);
     assert!(max_abs_diff(&out.vectors[0], &out.vectors[1]) <= 1e-6);
 
     // Ids past the limit are cut to the first max_tokens.
     let ids: Vec<u32> = std::iter::once(101).chain((0..600).map(|k| 2000 + k)).collect();
     let out = e.embed(&EmbedInput::TokenIds(vec![ids.clone(), ids[..256].to_vec()])).unwrap();
-    assert_eq!(out.prompt_tokens, 512);
+    assert_eq!(out.prompt_tokens(), 512);
     assert!(max_abs_diff(&out.vectors[0], &out.vectors[1]) <= 1e-6);
 
     let none = e.embed(&EmbedInput::Texts(vec![])).unwrap();
-    assert!(none.vectors.is_empty() && none.prompt_tokens == 0);
+    assert!(none.vectors.is_empty() && none.prompt_tokens() == 0);
 }
 
 #[test]
@@ -128,24 +128,23 @@ fn kserve_path_gives_fp32_rows() {
     assert_eq!((sig.platform.as_str(), sig.outputs[0].shape.as_slice()), ("candle_bert", &[-1, 384][..]));
     let texts: Vec<Vec<u8>> = fx.sentences[..3].iter().map(|s| s.as_bytes().to_vec()).collect();
     // Any input name works when there is exactly one input.
-    let out =
-        m.infer(vec![Tensor::new("sentences", vec![3], TensorData::Bytes(texts.clone()))], &[]).unwrap();
+    let out = m.infer(&[Tensor::new("sentences", vec![3], TensorData::Bytes(texts.clone()))], &[]).unwrap();
     assert_eq!((out.len(), out[0].name.as_str(), out[0].shape.as_slice()), (1, "embedding", &[3, 384][..]));
     let TensorData::Fp32(flat) = &out[0].data else { panic!("expected FP32, got {}", out[0].datatype()) };
     let rows: Vec<Vec<f32>> = flat.chunks(384).map(<[f32]>::to_vec).collect();
     assert_matches(&fx, &[0, 1, 2], &rows, "kserve");
 
     let bad_utf8 = Tensor::new("text", vec![2], TensorData::Bytes(vec![b"ok".to_vec(), vec![0xff, 0xfe]]));
-    let err = m.infer(vec![bad_utf8], &[]).unwrap_err();
+    let err = m.infer(&[bad_utf8], &[]).unwrap_err();
     assert!(
         matches!(&err, InferError::InvalidInput(s) if s.contains("'text'") && s.contains("UTF-8")),
         "{err:?}"
     );
     let floats = Tensor::new("text", vec![1], TensorData::Fp32(vec![1.0]));
-    let err = m.infer(vec![floats], &[]).unwrap_err();
+    let err = m.infer(&[floats], &[]).unwrap_err();
     assert!(matches!(&err, InferError::InvalidInput(s) if s.contains("BYTES")), "{err:?}");
     let one = Tensor::new("text", vec![1], TensorData::Bytes(vec![b"hi".to_vec()]));
-    let err = m.infer(vec![one], &["logits".to_string()]).unwrap_err();
+    let err = m.infer(&[one], &["logits".to_string()]).unwrap_err();
     assert!(matches!(&err, InferError::InvalidInput(s) if s.contains("logits")), "{err:?}");
     assert_eq!(DataType::Bytes, sig.inputs[0].datatype);
 }

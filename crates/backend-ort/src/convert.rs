@@ -1,7 +1,8 @@
 //! Moving tensors between SnoozeML's typed vectors and ONNX Runtime values.
 //!
-//! Inputs are handed over by ownership (`Tensor::from_array` keeps the `Vec`), so a
-//! request's data is not copied on the way in; outputs are copied out of the
+//! Inputs are lent to the runtime as views of the request's own buffers
+//! (`TensorRef::from_array_view`), so a request's data is not copied on the way in
+//! and stays with the caller for an out-of-memory retry; outputs are copied out of the
 //! runtime's buffers because they die with the run.
 
 use std::fmt::Debug;
@@ -12,43 +13,50 @@ use ort::{
 };
 use snooze_core::{InferError, Tensor, TensorData};
 
-/// Turns a request tensor into a named session input.
-pub(crate) fn to_input(model: &str, t: Tensor) -> Result<(String, SessionInputValue<'static>), InferError> {
+/// Turns a request tensor into a named session input that borrows its data.
+pub(crate) fn to_input<'t>(
+    model: &str,
+    t: &'t Tensor,
+) -> Result<(String, SessionInputValue<'t>), InferError> {
     let Tensor { name, shape, data } = t;
-    let value = match data {
-        TensorData::Bool(v) => primitive(shape, v),
-        TensorData::Uint8(v) => primitive(shape, v),
-        TensorData::Uint16(v) => primitive(shape, v),
-        TensorData::Uint32(v) => primitive(shape, v),
-        TensorData::Uint64(v) => primitive(shape, v),
-        TensorData::Int8(v) => primitive(shape, v),
-        TensorData::Int16(v) => primitive(shape, v),
-        TensorData::Int32(v) => primitive(shape, v),
-        TensorData::Int64(v) => primitive(shape, v),
-        TensorData::Fp16(v) => primitive(shape, v),
-        TensorData::Fp32(v) => primitive(shape, v),
-        TensorData::Fp64(v) => primitive(shape, v),
+    let value: ort::Result<SessionInputValue<'t>> = match data {
+        TensorData::Bool(v) => view(shape, v),
+        TensorData::Uint8(v) => view(shape, v),
+        TensorData::Uint16(v) => view(shape, v),
+        TensorData::Uint32(v) => view(shape, v),
+        TensorData::Uint64(v) => view(shape, v),
+        TensorData::Int8(v) => view(shape, v),
+        TensorData::Int16(v) => view(shape, v),
+        TensorData::Int32(v) => view(shape, v),
+        TensorData::Int64(v) => view(shape, v),
+        TensorData::Fp16(v) => view(shape, v),
+        TensorData::Fp32(v) => view(shape, v),
+        TensorData::Fp64(v) => view(shape, v),
         TensorData::Bytes(v) => {
-            let strings = utf8_strings(&name, v)?;
-            ort::value::Tensor::from_string_array((shape, strings.as_slice())).map(|t| t.into_dyn())
+            // Strings are copied: ONNX Runtime keeps its own string objects.
+            let strings = utf8_strings(name, v)?;
+            ort::value::Tensor::from_string_array((shape.clone(), strings.as_slice()))
+                .map(|t| t.into_dyn().into())
         }
-    }
-    .map_err(|e| crate::errors::infer_error(model, e.code(), &format!("input '{name}': {}", e.message())))?;
-    Ok((name, value.into()))
+    };
+    let value = value.map_err(|e| {
+        crate::errors::infer_error(model, e.code(), &format!("input '{name}': {}", e.message()))
+    })?;
+    Ok((name.clone(), value))
 }
 
-fn primitive<T>(shape: Vec<i64>, data: Vec<T>) -> ort::Result<DynValue>
+fn view<'t, T>(shape: &[i64], data: &'t [T]) -> ort::Result<SessionInputValue<'t>>
 where
     T: PrimitiveTensorElementType + Debug + Clone + 'static,
 {
-    Ok(ort::value::Tensor::from_array((shape, data))?.into_dyn())
+    Ok(ort::value::TensorRef::from_array_view((shape.to_vec(), data))?.into())
 }
 
 /// ONNX Runtime strings are NUL-terminated UTF-8 on the way in, while KServe BYTES
 /// are arbitrary: refuse what cannot pass rather than mangle it.
-fn utf8_strings(name: &str, elements: Vec<Vec<u8>>) -> Result<Vec<String>, InferError> {
+fn utf8_strings(name: &str, elements: &[Vec<u8>]) -> Result<Vec<String>, InferError> {
     elements
-        .into_iter()
+        .iter()
         .enumerate()
         .map(|(i, bytes)| {
             if bytes.contains(&0) {
@@ -56,7 +64,7 @@ fn utf8_strings(name: &str, elements: Vec<Vec<u8>>) -> Result<Vec<String>, Infer
                     "element {i} of input '{name}' contains a NUL byte, which ONNX Runtime strings cannot hold"
                 )));
             }
-            String::from_utf8(bytes).map_err(|_| {
+            String::from_utf8(bytes.clone()).map_err(|_| {
                 InferError::InvalidInput(format!(
                     "element {i} of input '{name}' is not valid UTF-8; the onnx backend passes BYTES as \
                      ONNX Runtime strings, which must be UTF-8"
@@ -112,11 +120,11 @@ mod tests {
 
     #[test]
     fn bytes_must_be_utf8_without_nul() {
-        let ok = utf8_strings("s", vec![b"a".to_vec(), "déjà".as_bytes().to_vec(), vec![]]).unwrap();
+        let ok = utf8_strings("s", &[b"a".to_vec(), "déjà".as_bytes().to_vec(), vec![]]).unwrap();
         assert_eq!(ok, vec!["a", "déjà", ""]);
-        let err = utf8_strings("s", vec![b"a".to_vec(), vec![0xff, 0xfe]]).unwrap_err();
+        let err = utf8_strings("s", &[b"a".to_vec(), vec![0xff, 0xfe]]).unwrap_err();
         assert!(matches!(&err, InferError::InvalidInput(m) if m.contains("element 1 of input 's'")), "{err}");
-        let err = utf8_strings("s", vec![b"a\0b".to_vec()]).unwrap_err();
+        let err = utf8_strings("s", &[b"a\0b".to_vec()]).unwrap_err();
         assert!(matches!(&err, InferError::InvalidInput(m) if m.contains("NUL")), "{err}");
     }
 }

@@ -15,7 +15,7 @@ use std::{
 };
 
 use ort::{
-    environment::Environment,
+    environment::{Environment, GlobalThreadPoolOptions},
     session::{builder::GraphOptimizationLevel, Session},
 };
 use snooze_core::{Backend, Device, FootprintEstimate, LoadError, LoadSpec, LoadedModel, ModelSignature};
@@ -48,15 +48,38 @@ impl std::fmt::Debug for OrtBackend {
     }
 }
 
+/// The one intra-op thread pool every session shares (ONNX Runtime's global thread
+/// pool): N loaded models do not start N pools of spinning threads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ThreadPool {
+    /// Threads one run may use; 0 = one per core.
+    pub intra_op_threads: usize,
+    /// Let idle pool threads spin for new work: faster under steady load, burns CPU
+    /// when idle.
+    pub spinning: bool,
+}
+
+impl Default for ThreadPool {
+    fn default() -> ThreadPool {
+        ThreadPool { intra_op_threads: 0, spinning: true }
+    }
+}
+
 impl OrtBackend {
-    /// Loads ONNX Runtime from `dylib_path`, else from `ORT_DYLIB_PATH`.
-    ///
-    /// The first successful call fixes the library for the process; a later call
-    /// naming another existing file gets the loaded one (and a warning). A failed
-    /// initialisation is remembered and its error returned again.
+    /// Loads ONNX Runtime from `dylib_path`, else from `ORT_DYLIB_PATH`, with the
+    /// default thread pool.
     pub fn new(dylib_path: Option<&Path>) -> Result<OrtBackend, String> {
+        OrtBackend::with_pool(dylib_path, ThreadPool::default())
+    }
+
+    /// Loads ONNX Runtime. The first successful call fixes the library and the thread
+    /// pool for the process; a later call naming another existing file gets the loaded
+    /// one (and a warning). A failed initialisation is remembered and its error
+    /// returned again.
+    pub fn with_pool(dylib_path: Option<&Path>, pool: ThreadPool) -> Result<OrtBackend, String> {
         let path = locate_library(dylib_path, std::env::var_os("ORT_DYLIB_PATH"))?;
-        let (loaded, env) = RUNTIME.get_or_init(|| init_runtime(&path)).as_ref().map_err(Clone::clone)?;
+        let (loaded, env) =
+            RUNTIME.get_or_init(|| init_runtime(&path, pool)).as_ref().map_err(Clone::clone)?;
         if *loaded != path {
             tracing::warn!(
                 requested = %path.display(),
@@ -89,14 +112,24 @@ fn locate_library(arg: Option<&Path>, env_var: Option<std::ffi::OsString>) -> Re
     std::fs::canonicalize(&path).map_err(|e| format!("cannot resolve {}: {e}", path.display()))
 }
 
-fn init_runtime(path: &Path) -> Result<(PathBuf, Environment), String> {
+fn init_runtime(path: &Path, pool: ThreadPool) -> Result<(PathBuf, Environment), String> {
     let failed = |e: &dyn std::fmt::Display| {
         format!("cannot initialise ONNX Runtime from {}: {e}; {HOW_TO_FIX}", path.display())
     };
     // `ort` asserts on a library that is not ONNX Runtime; that must not take the server down.
     let built = catch_unwind(AssertUnwindSafe(|| {
         let builder = ort::init_from(path).map_err(|e| failed(&e))?;
-        builder.with_name("snooze").with_telemetry(false).build().map_err(|e| failed(&e))
+        let mut threads =
+            GlobalThreadPoolOptions::default().with_spin_control(pool.spinning).map_err(|e| failed(&e))?;
+        if pool.intra_op_threads > 0 {
+            threads = threads.with_intra_threads(pool.intra_op_threads).map_err(|e| failed(&e))?;
+        }
+        builder
+            .with_name("snooze")
+            .with_telemetry(false)
+            .with_global_thread_pool(threads)
+            .build()
+            .map_err(|e| failed(&e))
     }))
     .map_err(|_| failed(&"the library panicked while loading (is it really libonnxruntime?)"))?;
     let env = built?;
@@ -180,16 +213,19 @@ impl Backend for OrtBackend {
         // A corrupt file fails here with a sentence instead of a protobuf error code.
         let signature = read_signature(&file)?;
         let failed = |e: &str| errors::load_error(&spec.name, &file, e);
-        let mut builder = Session::builder(&self.env)
-            .map_err(|e| failed(e.message()))?
-            .with_optimization_level(GraphOptimizationLevel::All)
-            .map_err(|e| failed(e.message()))?;
-        if spec.intra_op_threads > 0 {
-            builder = builder.with_intra_threads(spec.intra_op_threads).map_err(|e| failed(e.message()))?;
-        }
-        let session = builder.commit_from_file(&file).map_err(|e| failed(e.message()))?;
-        tracing::debug!(model = %spec.name, file = %file.display(), "onnx session created");
-        Ok(Arc::new(OrtModel::new(spec.name.clone(), signature, session)))
+        // Threads come from the environment's global pool (see `ThreadPool`).
+        let sessions = (0..spec.instances.max(1))
+            .map(|_| {
+                Session::builder(&self.env)
+                    .map_err(|e| failed(e.message()))?
+                    .with_optimization_level(GraphOptimizationLevel::All)
+                    .map_err(|e| failed(e.message()))?
+                    .commit_from_file(&file)
+                    .map_err(|e| failed(e.message()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        tracing::debug!(model = %spec.name, file = %file.display(), sessions = sessions.len(), "onnx sessions created");
+        Ok(Arc::new(OrtModel::new(spec.name.clone(), signature, sessions)))
     }
 }
 

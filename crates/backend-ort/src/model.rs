@@ -2,7 +2,7 @@
 
 use std::{
     collections::HashSet,
-    sync::{Mutex, PoisonError},
+    sync::{Mutex, MutexGuard, PoisonError, TryLockError},
 };
 
 use ort::session::{OutputSelector, RunOptions, Session};
@@ -13,16 +13,30 @@ use crate::{convert, errors};
 pub(crate) struct OrtModel {
     name: String,
     signature: ModelSignature,
-    /// `Session::run` takes `&mut self` (ONNX Runtime's `Run` is not thread-safe for
-    /// every provider), so runs on one session are serialized; parallelism comes
-    /// from loading several instances. `Option` so `Drop` can release the session
-    /// before trimming the heap.
-    session: Mutex<Option<Session>>,
+    /// The `ort` crate's `Session::run` takes `&mut self` although ONNX Runtime's `Run`
+    /// is thread-safe, so concurrent runs of one model need one session each: the
+    /// scheduler starts at most `max_concurrency` runs, and that many sessions are
+    /// loaded (each counted in the measured footprint). `Option` so `Drop` can release
+    /// the sessions before trimming the heap.
+    sessions: Vec<Mutex<Option<Session>>>,
 }
 
 impl OrtModel {
-    pub(crate) fn new(name: String, signature: ModelSignature, session: Session) -> OrtModel {
-        OrtModel { name, signature, session: Mutex::new(Some(session)) }
+    pub(crate) fn new(name: String, signature: ModelSignature, sessions: Vec<Session>) -> OrtModel {
+        OrtModel { name, signature, sessions: sessions.into_iter().map(|s| Mutex::new(Some(s))).collect() }
+    }
+
+    /// A session no other run holds (the scheduler keeps runs <= sessions); the first
+    /// one, waited for, if they are all busy anyway.
+    fn free_session(&self) -> MutexGuard<'_, Option<Session>> {
+        for m in &self.sessions {
+            match m.try_lock() {
+                Ok(guard) => return guard,
+                Err(TryLockError::Poisoned(p)) => return p.into_inner(),
+                Err(TryLockError::WouldBlock) => {}
+            }
+        }
+        self.sessions[0].lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn input_names(&self) -> String {
@@ -101,11 +115,10 @@ impl LoadedModel for OrtModel {
         &self.signature
     }
 
-    fn infer(&self, inputs: Vec<Tensor>, outputs: &[String]) -> Result<Vec<Tensor>, InferError> {
-        self.check_inputs(&inputs)?;
+    fn infer(&self, inputs: &[Tensor], outputs: &[String]) -> Result<Vec<Tensor>, InferError> {
+        self.check_inputs(inputs)?;
         let wanted = self.wanted_outputs(outputs)?;
-        let feeds =
-            inputs.into_iter().map(|t| convert::to_input(&self.name, t)).collect::<Result<Vec<_>, _>>()?;
+        let feeds = inputs.iter().map(|t| convert::to_input(&self.name, t)).collect::<Result<Vec<_>, _>>()?;
         // Naming only the wanted outputs lets the runtime skip nodes nobody reads.
         let mut unique = HashSet::new();
         let selector = wanted
@@ -115,7 +128,7 @@ impl LoadedModel for OrtModel {
         let run_failed = |e: ort::Error| errors::infer_error(&self.name, e.code(), e.message());
         let options = RunOptions::new().map_err(run_failed)?.with_outputs(selector);
 
-        let mut guard = self.session.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut guard = self.free_session();
         let session = guard
             .as_mut()
             .ok_or_else(|| InferError::Failed(format!("model '{}' has been unloaded", self.name)))?;
@@ -135,8 +148,9 @@ impl LoadedModel for OrtModel {
 
 impl Drop for OrtModel {
     fn drop(&mut self) {
-        let session = self.session.get_mut().unwrap_or_else(PoisonError::into_inner).take();
-        drop(session);
+        for m in &mut self.sessions {
+            drop(m.get_mut().unwrap_or_else(PoisonError::into_inner).take());
+        }
         // ONNX Runtime frees through glibc, which keeps the freed arenas mapped:
         // without a trim an unloaded model still counts against RSS and the cgroup.
         snooze_core::memory::trim_heap();

@@ -52,7 +52,7 @@ fn measured_footprint_is_covered_by_the_estimate() {
         let peak_load = peak_rss().saturating_sub(base);
         let steady = memory::process_rss_bytes().saturating_sub(base);
         let x = Tensor::new("x", vec![2, 256], TensorData::Fp32(vec![0.5; 512]));
-        m.infer(vec![x], &[]).expect("infer");
+        m.infer(&[x], &[]).expect("infer");
         let after_infer = memory::process_rss_bytes().saturating_sub(base);
         drop(m);
         let after_drop = memory::process_rss_bytes().saturating_sub(base);

@@ -110,7 +110,7 @@ fn reference(name: &str) -> (Vec<f32>, Vec<i64>, Vec<f32>) {
 fn mlp_10m_matches_its_reference() {
     let (x, shape, want) = reference("mlp-10m");
     let m = backend().load(&cpu("mlp-10m", model("mlp-10m"))).unwrap();
-    let out = m.infer(vec![Tensor::new("x", shape.clone(), TensorData::Fp32(x))], &[]).unwrap();
+    let out = m.infer(&[Tensor::new("x", shape.clone(), TensorData::Fp32(x))], &[]).unwrap();
     assert_eq!(out.len(), 1);
     assert_eq!(out[0].name, "y");
     assert_eq!(out[0].shape, shape);
@@ -158,7 +158,7 @@ fn identity() -> std::sync::Arc<dyn LoadedModel> {
 fn identity_round_trips_every_datatype() {
     let m = identity();
     let inputs = all_types();
-    let out = m.infer(inputs.clone(), &[]).unwrap();
+    let out = m.infer(&inputs, &[]).unwrap();
     let order: Vec<&str> = m.signature().outputs.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(out.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(), order, "signature order");
     for t in &inputs {
@@ -173,7 +173,7 @@ fn identity_round_trips_every_datatype() {
 fn requested_outputs_come_back_alone_and_in_order() {
     let m = identity();
     let wanted = ["out_int8".to_owned(), "out_bytes".to_owned(), "out_bool".to_owned()];
-    let out = m.infer(all_types(), &wanted).unwrap();
+    let out = m.infer(&all_types(), &wanted).unwrap();
     assert_eq!(out.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(), wanted);
     assert_eq!(out[2].data, TensorData::Bool(vec![true, false, true, false, false, true]));
 }
@@ -191,28 +191,28 @@ fn bad_requests_are_invalid_input_naming_the_tensor() {
 
     let mut unknown = all_types();
     unknown.push(Tensor::new("in_nope", vec![1], TensorData::Fp32(vec![0.0])));
-    assert!(invalid(m.infer(unknown, &[])).contains("'in_nope'"));
+    assert!(invalid(m.infer(&unknown, &[])).contains("'in_nope'"));
 
     let mut missing = all_types();
     missing.retain(|t| t.name != "in_fp64");
-    assert!(invalid(m.infer(missing, &[])).contains("'in_fp64' is missing"));
+    assert!(invalid(m.infer(&missing, &[])).contains("'in_fp64' is missing"));
 
-    assert!(invalid(m.infer(all_types(), &["out_nope".to_owned()])).contains("'out_nope'"));
+    assert!(invalid(m.infer(&all_types(), &["out_nope".to_owned()])).contains("'out_nope'"));
 
     let mut wrong_type = all_types();
     wrong_type[0].data = TensorData::Uint8(vec![0; 6]);
-    assert!(invalid(m.infer(wrong_type, &[])).contains("'in_bool'"));
+    assert!(invalid(m.infer(&wrong_type, &[])).contains("'in_bool'"));
 
     let mut wrong_count = all_types();
     wrong_count[1].shape = vec![3, 3];
-    let msg = invalid(m.infer(wrong_count, &[]));
+    let msg = invalid(m.infer(&wrong_count, &[]));
     assert!(msg.contains("'in_uint8'") && msg.contains("carries 6 values"), "{msg}");
 
     let mut not_utf8 = all_types();
     let bytes = not_utf8.iter_mut().find(|t| t.name == "in_bytes").unwrap();
     bytes.data = TensorData::Bytes(vec![vec![0xff]; 6]);
-    assert!(invalid(m.infer(not_utf8, &[])).contains("'in_bytes'"));
+    assert!(invalid(m.infer(&not_utf8, &[])).contains("'in_bytes'"));
 
     // The model stays usable after refusals.
-    assert_eq!(m.infer(all_types(), &[]).unwrap().len(), DataType::ALL.len());
+    assert_eq!(m.infer(&all_types(), &[]).unwrap().len(), DataType::ALL.len());
 }

@@ -14,7 +14,7 @@ fn twenty_load_drop_cycles_do_not_grow_rss() {
     let cycle = || {
         let m = b.load(&cpu("mlp-100m-1", model("mlp-100m-1"))).expect("load");
         let x = Tensor::new("x", vec![2, 256], TensorData::Fp32(vec![0.5; 512]));
-        m.infer(vec![x], &[]).expect("infer");
+        m.infer(&[x], &[]).expect("infer");
         drop(m);
     };
     let start = rss_mib();

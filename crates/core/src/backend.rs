@@ -87,6 +87,9 @@ pub struct LoadSpec {
     pub device: Device,
     /// Threads a single inference may use inside the runtime (0 = runtime default).
     pub intra_op_threads: usize,
+    /// Runs the scheduler may start at once on this model: a backend whose runs need
+    /// exclusive access to their instance loads this many.
+    pub instances: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -133,8 +136,19 @@ impl EmbedInput {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Embeddings {
     pub vectors: Vec<Vec<f32>>,
-    /// Tokens the model consumed (after truncation), summed over inputs.
-    pub prompt_tokens: usize,
+    /// Tokens the model consumed for each input (after truncation).
+    pub tokens: Vec<usize>,
+}
+
+impl Embeddings {
+    pub fn new(vectors: Vec<Vec<f32>>, tokens: Vec<usize>) -> Embeddings {
+        Embeddings { vectors, tokens }
+    }
+
+    /// Tokens consumed, summed over inputs.
+    pub fn prompt_tokens(&self) -> usize {
+        self.tokens.iter().sum()
+    }
 }
 
 /// A model that turns texts into vectors.
@@ -151,7 +165,8 @@ pub trait Embedder: Send + Sync {
 pub trait LoadedModel: Send + Sync {
     fn signature(&self) -> &ModelSignature;
     /// Runs the model. `outputs` names the outputs wanted; empty = all of them.
-    fn infer(&self, inputs: Vec<Tensor>, outputs: &[String]) -> Result<Vec<Tensor>, InferError>;
+    /// Inputs are borrowed: the caller keeps them for an out-of-memory retry.
+    fn infer(&self, inputs: &[Tensor], outputs: &[String]) -> Result<Vec<Tensor>, InferError>;
     /// `Some` for text-embedding models.
     fn as_embedder(&self) -> Option<&dyn Embedder> {
         None

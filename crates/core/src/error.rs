@@ -9,6 +9,8 @@ pub enum ErrorKind {
     ModelNotFound,
     InvalidInput,
     PayloadTooLarge,
+    /// The model's queue is full (HTTP 429).
+    QueueFull,
     /// The client was too slow sending its request.
     RequestTimeout,
     /// The request was overtaken by a later one (an unload superseded by a load).
@@ -29,6 +31,7 @@ impl ErrorKind {
             ErrorKind::ModelNotFound => "model_not_found",
             ErrorKind::InvalidInput => "invalid_input",
             ErrorKind::PayloadTooLarge => "payload_too_large",
+            ErrorKind::QueueFull => "queue_full",
             ErrorKind::RequestTimeout => "request_timeout",
             ErrorKind::Conflict => "conflict",
             ErrorKind::Overloaded => "overloaded",

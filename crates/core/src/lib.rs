@@ -1,16 +1,17 @@
 //! SnoozeML's core: everything about *policy*, nothing about ML or HTTP.
 //!
 //! `lifecycle` is a sans-IO state machine deciding when models load, stay, sleep
-//! and get evicted; `manager` is the thin async shell that feeds it events and
-//! carries out its actions against a `Backend`. Config types, size/duration
+//! and get evicted, and which queued requests run when; `manager` is the thin async
+//! shell that feeds it events and carries out its actions against a `Backend`, with
+//! `execution` running the batches it dispatches. Config types, size/duration
 //! parsing, memory probes and the transport-neutral error kind live here too, so
 //! the scheduler's tests never wait for ONNX Runtime or Candle to compile.
 
 pub mod backend;
 pub mod error;
+pub mod execution;
 pub mod memory;
 pub mod pressure;
-pub mod recovery;
 pub mod tensor;
 
 pub use backend::{
@@ -24,7 +25,9 @@ pub mod learned;
 pub mod lifecycle;
 pub mod units;
 
-pub use lifecycle::{Action, Event, LoadMeasurement, ModelPolicy, Scheduler, SchedulerConfig, UnloadReason};
+pub use lifecycle::{
+    Action, Event, LoadMeasurement, ModelPolicy, Priority, Scheduler, SchedulerConfig, UnloadReason,
+};
 pub mod manager;
 
-pub use manager::{Lease, ManagerConfig, ModelEntry, ModelInfo, ModelManager, Priority};
+pub use manager::{GcReport, ManagerConfig, ModelEntry, ModelInfo, ModelManager};

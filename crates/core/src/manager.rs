@@ -1,9 +1,11 @@
 //! The async shell around the [`Scheduler`]: one actor task owns it, feeds it events
-//! from a channel and from its next deadline, and carries out its actions — loads and
-//! unloads on blocking threads, leases handed to waiting requests.
+//! from a channel and from its next deadline, and carries out its actions — loads,
+//! unloads and batches on blocking threads, answers to waiting callers.
 //!
-//! [`ModelManager`] is the cheap-to-clone handle the transports share. A [`Lease`]
-//! keeps its model resident; dropping it tells the actor the request completed.
+//! [`ModelManager`] is the cheap-to-clone handle the transports share. A request is a
+//! [`Payload`] submitted with [`ModelManager::infer`] or [`ModelManager::embed`]; its
+//! data stays here, in the actor, while the scheduler decides when it runs. A caller
+//! that goes away (a client disconnects) cancels its request on the way out.
 
 use std::{
     collections::HashMap,
@@ -18,16 +20,17 @@ use std::{
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::{
-    backend::{Backend, Device, LoadError, LoadSpec, LoadedModel},
+    backend::{Backend, Device, EmbedInput, Embeddings, LoadError, LoadSpec, LoadedModel, Task},
     error::{ErrorKind, SnoozeError},
+    execution::{self, BatchEnd, Job, Output, Payload},
     learned::{FootprintStore, LearnedFootprint},
     lifecycle::{
-        Action, Event, LoadMeasurement, ModelId, ModelPolicy, ModelStatus, RequestId, Scheduler,
-        SchedulerConfig, UnloadReason,
+        Action, Event, LoadMeasurement, ModelId, ModelPolicy, ModelStatus, Priority, RequestId, RunOutcome,
+        Scheduler, SchedulerConfig, Submit, UnloadReason,
     },
     memory::{self, MemoryProbe, MemorySnapshot},
     pressure::{MemoryReading, PressureLevel, PressureState, Thresholds},
-    tensor::ModelSignature,
+    tensor::{ModelSignature, Tensor},
     units::format_bytes,
 };
 
@@ -47,7 +50,7 @@ pub struct ModelEntry {
 pub struct ManagerConfig {
     pub scheduler: SchedulerConfig,
     pub models: Vec<ModelEntry>,
-    /// Longest a request waits for its model to load before it gets 503.
+    /// Longest a repository load or unload waits before it is answered 503.
     pub acquire_timeout: Duration,
     pub intra_op_threads: usize,
     pub probe: Arc<dyn MemoryProbe>,
@@ -65,44 +68,54 @@ pub struct ManagerConfig {
 pub struct ModelInfo {
     pub name: String,
     pub backend: &'static str,
-    pub task: crate::backend::Task,
+    pub task: Task,
     pub path: PathBuf,
     pub signature: Result<ModelSignature, String>,
+    /// Requests may share a run (the batch dimension is dynamic and `max_batch_size > 1`).
+    pub batchable: bool,
 }
 
+/// What a garbage collection did.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct GcReport {
+    pub models_unloaded: Vec<String>,
+    /// RSS before minus RSS after (the heap trimmed included).
+    pub freed_bytes: u64,
+}
+
+type UnitReply = oneshot::Sender<Result<(), SnoozeError>>;
+
 pub(crate) enum Command {
-    Acquire {
-        req: RequestId,
-        model: ModelId,
-        reply: oneshot::Sender<Result<Lease, SnoozeError>>,
+    Submit {
+        sub: Submit,
+        job: Job,
     },
     Load {
         req: RequestId,
         model: ModelId,
-        reply: oneshot::Sender<Result<(), SnoozeError>>,
+        reply: UnitReply,
     },
     Unload {
         req: RequestId,
         model: ModelId,
-        reply: oneshot::Sender<Result<(), SnoozeError>>,
+        reply: UnitReply,
     },
-    Poisoned {
-        model: ModelId,
-        reason: String,
-    },
-    UnloadIdle {
-        include_pinned: bool,
-        reason: UnloadReason,
-        reply: oneshot::Sender<Result<(), SnoozeError>>,
+    Collect {
+        req: RequestId,
+        except: Option<ModelId>,
+        reply: oneshot::Sender<Vec<ModelId>>,
     },
     Status {
         reply: oneshot::Sender<Vec<ModelStatus>>,
     },
-    Release {
-        model: ModelId,
-    },
     Cancel {
         req: RequestId,
+    },
+    RunDone {
+        model: ModelId,
+        reqs: Vec<RequestId>,
+        end: BatchEnd,
+        took: Duration,
     },
     LoadDone {
         model: ModelId,
@@ -115,51 +128,35 @@ pub(crate) enum Command {
     Shutdown,
 }
 
-/// Keeps a model resident while a request uses it.
-pub struct Lease {
-    model: Option<Arc<dyn LoadedModel>>,
-    id: ModelId,
-    tx: mpsc::UnboundedSender<Command>,
-}
-
-impl Lease {
-    pub fn model(&self) -> &dyn LoadedModel {
-        self.model.as_deref().expect("a lease holds its model until dropped")
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        // Drop our reference before the actor learns the lease ended, so an unload that
-        // follows is the model's last owner and really frees it.
-        drop(self.model.take());
-        let _ = self.tx.send(Command::Release { model: self.id });
-    }
-}
-
 /// The handle every transport shares.
 #[derive(Clone)]
 pub struct ModelManager {
     tx: mpsc::UnboundedSender<Command>,
     infos: Arc<Vec<ModelInfo>>,
     names: Arc<HashMap<String, ModelId>>,
-    /// True once shutting down and nothing is loaded or leased any more.
+    /// True once shutting down and nothing is loaded or running any more.
     drained: watch::Receiver<bool>,
-    /// Acquire ids are chosen here so a caller that times out can cancel its own.
-    next_acquire: Arc<AtomicU64>,
+    /// Ids of waiting callers are chosen here, so a caller that gives up can cancel its own.
+    next_req: Arc<AtomicU64>,
     acquire_timeout: Duration,
     retry_after: Duration,
     pub(crate) pressure: Arc<Mutex<PressureState>>,
     level: watch::Receiver<PressureLevel>,
 }
 
-/// How much a request may be refused under memory pressure.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Priority {
-    /// Refused with 503 while memory pressure is critical.
-    Low,
-    #[default]
-    Normal,
+/// Cancels a submitted request if its caller stops waiting before the answer.
+struct CancelOnDrop<'a> {
+    manager: &'a ModelManager,
+    req: RequestId,
+    armed: bool,
+}
+
+impl Drop for CancelOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.manager.send(Command::Cancel { req: self.req });
+        }
+    }
 }
 
 impl ModelManager {
@@ -169,16 +166,22 @@ impl ModelManager {
         let retry_after = scheduler.config().retry_after;
         let mut infos = Vec::new();
         let mut backends = Vec::new();
-        let mut broken = Vec::new();
         let mut fingerprints = Vec::new();
         let mut preload = Vec::new();
         for entry in config.models {
-            let id = scheduler.register(entry.policy.clone());
+            let batchable =
+                entry.policy.max_batch_size > 1 && entry.signature.as_ref().is_ok_and(dynamic_batch);
+            let mut policy = entry.policy.clone();
+            if !batchable {
+                policy.max_batch_size = 1;
+            }
+            let id = scheduler.register(policy);
             if let Some(l) = config.store.as_ref().and_then(|s| s.get(&entry.policy.name, &entry.fingerprint))
             {
                 tracing::info!(model = %entry.policy.name, steady_bytes = l.steady_bytes, peak_bytes = l.peak_bytes, "using the footprint measured on an earlier load");
                 scheduler.set_learned(id, l.steady_bytes, l.peak_bytes);
             }
+            scheduler.observe_files(id, entry.signature.as_ref().err().cloned());
             fingerprints.push(entry.fingerprint.clone());
             if entry.preload {
                 preload.push(id);
@@ -189,8 +192,8 @@ impl ModelManager {
                 task: entry.backend.task(&entry.path),
                 path: entry.path.clone(),
                 signature: entry.signature,
+                batchable,
             });
-            broken.push(infos.last().and_then(|i| i.signature.as_ref().err().cloned()));
             backends.push((entry.backend, entry.path));
         }
         let names = infos.iter().enumerate().map(|(i, m)| (m.name.clone(), i)).collect();
@@ -201,20 +204,18 @@ impl ModelManager {
         let actor = Actor {
             scheduler,
             backends,
-            broken,
             fingerprints,
             store: config.store,
             loaded: HashMap::new(),
+            jobs: HashMap::new(),
             replies: HashMap::new(),
-            wanted: HashMap::new(),
-            next_req: 1,
+            collections: HashMap::new(),
             tx: tx.clone(),
             rx,
             drained: drained_tx,
             probe: config.probe,
             gpu_probes: config.gpu_probes,
             intra_op_threads: config.intra_op_threads,
-            load_started: HashMap::new(),
             pressure: pressure.clone(),
             level: level_tx,
             thresholds: config.thresholds,
@@ -226,7 +227,7 @@ impl ModelManager {
             infos: Arc::new(infos),
             names: Arc::new(names),
             drained,
-            next_acquire: Arc::new(AtomicU64::new(1 << 62)),
+            next_req: Arc::new(AtomicU64::new(1)),
             acquire_timeout: config.acquire_timeout,
             retry_after,
             pressure,
@@ -235,11 +236,9 @@ impl ModelManager {
         for id in preload {
             let m = manager.clone();
             tokio::spawn(async move {
-                let (reply, rx) = oneshot::channel();
-                let req = m.next_request_id();
-                m.send(Command::Load { req, model: id, reply });
-                if let Ok(Err(e)) = rx.await {
-                    tracing::error!(model = %m.infos[id].name, error = %e, "preload failed");
+                let name = m.infos[id].name.clone();
+                if let Err(e) = m.load(&name).await {
+                    tracing::error!(model = %name, error = %e, "preload failed");
                 }
             });
         }
@@ -258,23 +257,8 @@ impl ModelManager {
         self.names.get(name).copied().ok_or_else(|| SnoozeError::not_found(name))
     }
 
-    pub(crate) fn model_id(&self, name: &str) -> Result<ModelId, SnoozeError> {
-        self.id(name)
-    }
-
-    pub(crate) fn retry_after(&self) -> Duration {
-        self.retry_after
-    }
-
-    /// Ids of waiting callers are chosen here, so a caller that gives up can cancel its own.
     fn next_request_id(&self) -> RequestId {
-        self.next_acquire.fetch_add(1, Ordering::Relaxed)
-    }
-
-    /// The backend panicked running `model`: it is unloaded once its requests end and
-    /// reloaded after a backoff.
-    pub(crate) fn report_panic(&self, model: ModelId, reason: String) {
-        self.send(Command::Poisoned { model, reason });
+        self.next_req.fetch_add(1, Ordering::Relaxed)
     }
 
     fn send(&self, cmd: Command) {
@@ -286,21 +270,9 @@ impl ModelManager {
         SnoozeError::new(ErrorKind::ShuttingDown, "the server is shutting down").retry_after(self.retry_after)
     }
 
-    /// Waits (bounded) until the model is ready and returns a lease on it.
-    pub async fn acquire(&self, name: &str) -> Result<Lease, SnoozeError> {
-        self.acquire_with(name, Priority::Normal).await
-    }
-
     /// The memory pressure level now.
     pub fn pressure_level(&self) -> PressureLevel {
         *self.level.borrow()
-    }
-
-    #[cfg(test)]
-    pub(crate) fn pressure_level_for_test(&mut self, level: PressureLevel) {
-        let (tx, rx) = watch::channel(level);
-        self.level = rx;
-        std::mem::forget(tx);
     }
 
     /// A copy of the monitor's readings and alerts.
@@ -308,38 +280,60 @@ impl ModelManager {
         self.pressure.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Like [`acquire`](Self::acquire); low-priority work is refused under critical pressure.
-    pub async fn acquire_with(&self, name: &str, priority: Priority) -> Result<Lease, SnoozeError> {
-        let model = self.id(name)?;
-        if priority == Priority::Low && self.pressure_level() >= PressureLevel::Critical {
-            return Err(SnoozeError::new(
-                ErrorKind::InsufficientMemory,
-                "memory pressure is critical: low-priority requests are refused until it eases",
-            )
-            .retry_after(self.retry_after));
-        }
-        let (reply, rx) = oneshot::channel();
-        let req = self.next_request_id();
-        self.send(Command::Acquire { req, model, reply });
-        match tokio::time::timeout(self.acquire_timeout, rx).await {
-            Ok(Ok(result)) => result,
-            Ok(Err(_)) => Err(self.gone()),
-            Err(_) => Err({
-                self.send(Command::Cancel { req });
-                SnoozeError::new(
-                    ErrorKind::Overloaded,
-                    format!(
-                        "model '{name}' was not ready within {:.0}s (still loading or waiting for memory)",
-                        self.acquire_timeout.as_secs_f64()
-                    ),
-                )
-                .retry_after(self.retry_after)
-            }),
+    /// Runs a KServe request: waits in the model's queue, possibly sharing a run with
+    /// other requests, and returns its outputs. `priority: None` = the model's default.
+    pub async fn infer(
+        &self,
+        name: &str,
+        priority: Option<Priority>,
+        inputs: Vec<Tensor>,
+        outputs: Vec<String>,
+    ) -> Result<Vec<Tensor>, SnoozeError> {
+        match self.submit(name, priority, Payload::Tensors { inputs, outputs }).await? {
+            Output::Tensors(t) => Ok(t),
+            Output::Embeddings { .. } => {
+                Err(SnoozeError::new(ErrorKind::Internal, "a tensor request got embeddings"))
+            }
         }
     }
 
-    /// Loads the model (no lease); returns when it is ready, or 503 after
-    /// `acquire_timeout` (the load itself goes on).
+    /// Embeds texts (or token ids); also says whether the vectors are normalized.
+    pub async fn embed(
+        &self,
+        name: &str,
+        priority: Option<Priority>,
+        input: EmbedInput,
+    ) -> Result<(Embeddings, bool), SnoozeError> {
+        match self.submit(name, priority, Payload::Embed(input)).await? {
+            Output::Embeddings { embeddings, normalized } => Ok((embeddings, normalized)),
+            Output::Tensors(_) => {
+                Err(SnoozeError::new(ErrorKind::Internal, "an embedding request got tensors"))
+            }
+        }
+    }
+
+    async fn submit(
+        &self,
+        name: &str,
+        priority: Option<Priority>,
+        payload: Payload,
+    ) -> Result<Output, SnoozeError> {
+        let model = self.id(name)?;
+        let (rows, key) = payload.rows_and_key(self.infos[model].batchable);
+        let req = self.next_request_id();
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Submit {
+            sub: Submit { req, model, priority, rows, key },
+            job: Job { payload, reply },
+        });
+        let mut guard = CancelOnDrop { manager: self, req, armed: true };
+        let answer = rx.await;
+        guard.armed = false;
+        answer.unwrap_or_else(|_| Err(self.gone()))
+    }
+
+    /// Loads the model; returns when it is ready, or 503 after `acquire_timeout` (the
+    /// load itself goes on).
     pub async fn load(&self, name: &str) -> Result<(), SnoozeError> {
         let model = self.id(name)?;
         let req = self.next_request_id();
@@ -356,9 +350,9 @@ impl ModelManager {
         self.ask_within(req, |reply| Command::Load { req, model, reply }, late).await
     }
 
-    /// Unloads the model once the requests holding it end (new ones wait, then reload
-    /// it); returns when it is gone, or 503 after `acquire_timeout` (the unload stays
-    /// pending until those requests end).
+    /// Unloads the model once the runs holding it end (requests arriving meanwhile
+    /// wait, then reload it); returns when it is gone, or 503 after `acquire_timeout`
+    /// (the unload stays pending until those runs end).
     pub async fn unload(&self, name: &str) -> Result<(), SnoozeError> {
         let model = self.id(name)?;
         let req = self.next_request_id();
@@ -379,7 +373,7 @@ impl ModelManager {
     async fn ask_within(
         &self,
         req: RequestId,
-        cmd: impl FnOnce(oneshot::Sender<Result<(), SnoozeError>>) -> Command,
+        cmd: impl FnOnce(UnitReply) -> Command,
         late: impl FnOnce() -> SnoozeError,
     ) -> Result<(), SnoozeError> {
         let (reply, rx) = oneshot::channel();
@@ -393,18 +387,24 @@ impl ModelManager {
         }
     }
 
-    /// Unloads every idle model (pinned too if asked); returns at once.
-    pub async fn unload_idle(&self, include_pinned: bool, reason: UnloadReason) -> Result<(), SnoozeError> {
-        self.ask(|reply| Command::UnloadIdle { include_pinned, reason, reply }).await
-    }
-
-    async fn ask(
-        &self,
-        cmd: impl FnOnce(oneshot::Sender<Result<(), SnoozeError>>) -> Command,
-    ) -> Result<(), SnoozeError> {
+    /// Unloads every idle, unpinned model (but `except`), waits until they are gone and
+    /// trims the heap.
+    pub async fn gc(&self, except: Option<&str>) -> GcReport {
+        let before = memory::process_rss_bytes();
+        let except = except.and_then(|n| self.id(n).ok());
         let (reply, rx) = oneshot::channel();
-        self.send(cmd(reply));
-        rx.await.unwrap_or_else(|_| Err(self.gone()))
+        self.send(Command::Collect { req: self.next_request_id(), except, reply });
+        let unloaded = tokio::time::timeout(self.acquire_timeout, rx)
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .unwrap_or_default();
+        let _ = tokio::task::spawn_blocking(memory::trim_heap).await;
+        let freed = before.saturating_sub(memory::process_rss_bytes());
+        let models_unloaded: Vec<String> =
+            unloaded.into_iter().map(|id| self.infos[id].name.clone()).collect();
+        tracing::info!(models = ?models_unloaded, freed_bytes = freed, "garbage collection");
+        GcReport { models_unloaded, freed_bytes: freed }
     }
 
     pub async fn status(&self) -> Vec<ModelStatus> {
@@ -413,7 +413,7 @@ impl ModelManager {
         rx.await.unwrap_or_default()
     }
 
-    /// Refuses new work, lets leases finish (up to `timeout`), unloads everything.
+    /// Refuses new work, lets runs finish (up to `timeout`), unloads everything.
     /// Returns false if requests were still running at the timeout.
     pub async fn shutdown(&self, timeout: Duration) -> bool {
         self.send(Command::Shutdown);
@@ -423,25 +423,29 @@ impl ModelManager {
     }
 }
 
+/// Every input and output of the signature has a dynamic first dimension: requests can
+/// be stacked along it.
+fn dynamic_batch(sig: &ModelSignature) -> bool {
+    let dynamic = |s: &crate::tensor::TensorSpec| s.shape.first().is_some_and(|d| *d < 0);
+    !sig.inputs.is_empty() && sig.inputs.iter().all(dynamic) && sig.outputs.iter().all(dynamic)
+}
+
 struct Actor {
     scheduler: Scheduler,
     backends: Vec<(Arc<dyn Backend>, PathBuf)>,
-    /// Why a model's files could not be read at start (or at its last request).
-    broken: Vec<Option<String>>,
     fingerprints: Vec<String>,
     store: Option<Arc<FootprintStore>>,
     loaded: HashMap<ModelId, Arc<dyn LoadedModel>>,
-    replies: HashMap<RequestId, Reply>,
-    /// The model each waiting acquire/load is for, to name it in refusal logs.
-    wanted: HashMap<RequestId, ModelId>,
-    next_req: RequestId,
+    /// Submitted requests not yet answered, with their data.
+    jobs: HashMap<RequestId, Job>,
+    replies: HashMap<RequestId, UnitReply>,
+    collections: HashMap<RequestId, oneshot::Sender<Vec<ModelId>>>,
     tx: mpsc::UnboundedSender<Command>,
     rx: mpsc::UnboundedReceiver<Command>,
     drained: watch::Sender<bool>,
     probe: Arc<dyn MemoryProbe>,
     gpu_probes: Vec<(Device, Arc<dyn MemoryProbe>)>,
     intra_op_threads: usize,
-    load_started: HashMap<ModelId, Instant>,
     pressure: Arc<Mutex<PressureState>>,
     level: watch::Sender<PressureLevel>,
     thresholds: Thresholds,
@@ -452,11 +456,6 @@ enum Wake {
     Command(Command),
     Deadline,
     Tick,
-}
-
-enum Reply {
-    Lease(oneshot::Sender<Result<Lease, SnoozeError>>),
-    Unit(oneshot::Sender<Result<(), SnoozeError>>),
 }
 
 fn now() -> Instant {
@@ -481,18 +480,16 @@ impl Actor {
             let actions = match wake {
                 Wake::Command(cmd) => self.command(cmd),
                 Wake::Deadline => self.scheduler.handle_timeout(now()),
-                Wake::Tick => self.check_pressure(),
+                Wake::Tick => {
+                    // A load waiting for memory the probe did not show may fit now.
+                    let mut actions = self.check_pressure();
+                    actions.extend(self.scheduler.handle_timeout(now()));
+                    actions
+                }
             };
             self.execute(actions);
             self.drained.send_replace(self.scheduler.is_shutting_down() && !self.scheduler.busy());
         }
-    }
-
-    fn register(&mut self, reply: Reply) -> RequestId {
-        let req = self.next_req;
-        self.next_req += 1;
-        self.replies.insert(req, reply);
-        req
     }
 
     /// Reads the probe, records the reading and tells the scheduler if the level moved.
@@ -535,110 +532,72 @@ impl Actor {
         self.gpu_probes.iter().find(|(d, _)| d == device).map(|(_, p)| p.clone())
     }
 
-    /// A model whose files were unreadable fails fast — before anything is evicted for
-    /// it — for as long as they stay unreadable (re-read on each request: cheap, since
-    /// only the header is parsed, and a fixed file is picked up without a restart).
-    fn still_broken(&mut self, model: ModelId) -> Option<SnoozeError> {
-        self.broken[model].as_ref()?;
-        let (backend, path) = &self.backends[model];
-        match backend.signature(path) {
-            Ok(_) => {
-                self.broken[model] = None;
-                None
-            }
-            Err(e) => {
-                let name = &self.scheduler.slot(model).policy.name;
-                tracing::warn!(model = %name, error = %e, "refused: the model's files cannot be read");
-                self.broken[model] = Some(e.to_string());
-                Some(SnoozeError::new(
-                    ErrorKind::ModelFailed,
-                    format!("model '{name}' cannot be loaded: {e}"),
-                ))
-            }
+    /// A model whose files were unreadable is checked again on each request (cheap:
+    /// only the header is parsed), so a fixed file is picked up without a restart.
+    fn recheck_files(&mut self, model: ModelId) {
+        if !self.scheduler.is_unreadable(model) {
+            return;
         }
+        let (backend, path) = &self.backends[model];
+        let now_readable = backend.signature(path).err().map(|e| e.to_string());
+        if let Some(e) = &now_readable {
+            let name = &self.scheduler.slot(model).policy.name;
+            tracing::warn!(model = %name, error = %e, "refused: the model's files cannot be read");
+        }
+        self.scheduler.observe_files(model, now_readable);
     }
 
     fn command(&mut self, cmd: Command) -> Vec<Action> {
         let event = match cmd {
-            Command::Acquire { req, model, reply } => {
-                if let Some(e) = self.still_broken(model) {
-                    let _ = reply.send(Err(e));
-                    return Vec::new();
-                }
-                if self.scheduler.slot(model).idle().is_none() && self.scheduler.slot(model).leases() == 0 {
+            Command::Submit { sub, job } => {
+                self.recheck_files(sub.model);
+                if !self.scheduler.slot(sub.model).is_ready() {
                     self.refresh_probe();
                 }
-                self.replies.insert(req, Reply::Lease(reply));
-                self.wanted.insert(req, model);
-                Event::Acquire { req, model }
+                self.jobs.insert(sub.req, job);
+                Event::Submit(sub)
             }
             Command::Load { req, model, reply } => {
-                if let Some(e) = self.still_broken(model) {
-                    let _ = reply.send(Err(e));
-                    return Vec::new();
-                }
+                self.recheck_files(model);
                 self.refresh_probe();
-                self.replies.insert(req, Reply::Unit(reply));
-                self.wanted.insert(req, model);
+                self.replies.insert(req, reply);
                 Event::Load { req, model }
             }
             Command::Unload { req, model, reply } => {
-                self.replies.insert(req, Reply::Unit(reply));
+                self.replies.insert(req, reply);
                 Event::Unload { req, model }
             }
-            Command::Poisoned { model, reason } => Event::Poisoned { model, reason },
-            Command::UnloadIdle { include_pinned, reason, reply } => {
-                Event::UnloadIdle { req: self.register(Reply::Unit(reply)), include_pinned, reason }
+            Command::Collect { req, except, reply } => {
+                self.collections.insert(req, reply);
+                Event::Collect { req, except, include_pinned: false, reason: UnloadReason::Pressure }
             }
             Command::Status { reply } => {
                 let _ = reply.send(self.scheduler.status(now()));
                 return Vec::new();
             }
-            Command::Release { model } => Event::Release { model },
             Command::Cancel { req } => {
+                self.jobs.remove(&req);
                 self.replies.remove(&req);
-                self.wanted.remove(&req);
                 Event::Cancel { req }
             }
-            Command::LoadDone { model, result, took } => {
-                self.load_started.remove(&model);
-                let name = &self.scheduler.slot(model).policy.name;
-                let result = match result {
-                    Ok((instance, measured)) => {
-                        tracing::info!(
-                            model = %name,
-                            bytes = measured.steady,
-                            peak_bytes = measured.peak,
-                            duration_ms = took.as_millis() as u64,
-                            "model loaded ({})",
-                            measured.steady.map_or("footprint not measured".into(), format_bytes)
-                        );
-                        self.loaded.insert(model, instance);
-                        if let (Some(store), Some(_)) = (&self.store, measured.steady) {
-                            let device = self
-                                .scheduler
-                                .slot(model)
-                                .device()
-                                .map(|d| d.to_string())
-                                .unwrap_or_default();
-                            store.record(
-                                name,
-                                LearnedFootprint {
-                                    fingerprint: self.fingerprints[model].clone(),
-                                    device,
-                                    steady_bytes: measured.steady,
-                                    peak_bytes: measured.peak,
-                                    measured_at: crate::learned::unix_now(),
-                                },
-                            );
+            Command::RunDone { model, reqs, end, took } => {
+                let outcome = match end {
+                    BatchEnd::Done => RunOutcome::Done,
+                    BatchEnd::Panicked(why) => RunOutcome::Panicked(why),
+                    BatchEnd::OutOfMemory { message, jobs } => {
+                        // Back for a retry, unless their callers went away meanwhile.
+                        for (req, job) in jobs {
+                            if !job.reply.is_closed() {
+                                self.jobs.insert(req, job);
+                            }
                         }
-                        Ok(measured)
-                    }
-                    Err(e) => {
-                        tracing::error!(model = %name, error = %e, duration_ms = took.as_millis() as u64, "model load failed");
-                        Err(e)
+                        RunOutcome::OutOfMemory(message)
                     }
                 };
+                Event::RunFinished { model, reqs, outcome, took }
+            }
+            Command::LoadDone { model, result, took } => {
+                let result = self.record_load(model, result, took);
                 let mut actions = self.check_pressure();
                 actions.extend(self.scheduler.handle(now(), Event::LoadFinished { model, result, took }));
                 return actions;
@@ -652,92 +611,152 @@ impl Actor {
         self.scheduler.handle(now(), event)
     }
 
+    /// Logs a load, keeps its instance and learns its footprint.
+    fn record_load(
+        &mut self,
+        model: ModelId,
+        result: Result<(Arc<dyn LoadedModel>, LoadMeasurement), LoadError>,
+        took: Duration,
+    ) -> Result<LoadMeasurement, LoadError> {
+        let name = self.scheduler.slot(model).policy.name.clone();
+        match result {
+            Ok((instance, measured)) => {
+                tracing::info!(
+                    model = %name,
+                    bytes = measured.steady,
+                    peak_bytes = measured.peak,
+                    duration_ms = took.as_millis() as u64,
+                    "model loaded ({})",
+                    measured.steady.map_or("footprint not measured".into(), format_bytes)
+                );
+                self.loaded.insert(model, instance);
+                if let (Some(store), Some(_)) = (&self.store, measured.steady) {
+                    let device =
+                        self.scheduler.slot(model).device().map(|d| d.to_string()).unwrap_or_default();
+                    store.record(
+                        &name,
+                        LearnedFootprint {
+                            fingerprint: self.fingerprints[model].clone(),
+                            device,
+                            steady_bytes: measured.steady,
+                            peak_bytes: measured.peak,
+                            measured_at: crate::learned::unix_now(),
+                        },
+                    );
+                }
+                Ok(measured)
+            }
+            Err(e) => {
+                tracing::error!(model = %name, error = %e, duration_ms = took.as_millis() as u64, "model load failed");
+                Err(e)
+            }
+        }
+    }
+
     fn execute(&mut self, actions: Vec<Action>) {
         for action in actions {
             match action {
                 Action::StartLoad { model, device } => self.start_load(model, device),
                 Action::StartUnload { model, device, reason, bytes } => {
-                    let instance = self.loaded.remove(&model);
-                    let name = self.scheduler.slot(model).policy.name.clone();
-                    let tx = self.tx.clone();
-                    let gpu = self.device_probe(&device);
-                    tokio::task::spawn_blocking(move || {
-                        let started = Instant::now();
-                        let before = memory::process_rss_bytes();
-                        let gpu_before = gpu.as_ref().map(|p| p.snapshot().process_bytes);
-                        drop(instance);
-                        memory::trim_heap();
-                        if let (Some(probe), Some(held)) = (&gpu, gpu_before) {
-                            wait_for_gpu_release(probe.as_ref(), held, bytes);
-                        }
-                        let freed = before.saturating_sub(memory::process_rss_bytes());
-                        tracing::info!(
-                            model = %name,
-                            %device,
-                            reason = ?reason,
-                            bytes,
-                            freed_bytes = freed,
-                            duration_ms = started.elapsed().as_millis() as u64,
-                            "model unloaded ({:?}, {} accounted, {} returned to the OS)",
-                            reason,
-                            format_bytes(bytes),
-                            format_bytes(freed)
-                        );
-                        let _ = tx.send(Command::UnloadDone { model });
-                    });
+                    self.start_unload(model, device, reason, bytes)
                 }
-                Action::Grant { req, model } => {
-                    self.wanted.remove(&req);
-                    let Some(Reply::Lease(reply)) = self.replies.remove(&req) else { continue };
-                    let Some(instance) = self.loaded.get(&model).cloned() else {
-                        tracing::error!(model, "granted a lease on a model that is not loaded");
-                        continue;
-                    };
-                    let lease = Lease { model: Some(instance), id: model, tx: self.tx.clone() };
-                    // A caller that gave up drops the lease here, which releases it.
-                    let _ = reply.send(Ok(lease));
-                }
-                Action::Reply { req, result } => {
-                    let model = self.wanted.remove(&req);
-                    if let (Err(e), Some(model)) = (&result, model) {
-                        if e.kind == ErrorKind::InsufficientMemory {
-                            let slot = self.scheduler.slot(model);
-                            tracing::warn!(
-                                model = %slot.policy.name,
-                                bytes = slot.admission_bytes(),
-                                retry_after_ms = e.retry_after.map(|d| d.as_millis() as u64),
-                                reason = %e,
-                                "request refused: not enough memory"
-                            );
-                        }
-                    }
-                    match self.replies.remove(&req) {
-                        Some(Reply::Lease(reply)) => match result {
-                            Err(e) => {
-                                let _ = reply.send(Err(e));
-                            }
-                            // Leases come through Action::Grant; an Ok reply to an acquire is a bug.
-                            Ok(()) => tracing::error!(req, "an acquire was answered without a lease"),
-                        },
-                        Some(Reply::Unit(reply)) => {
-                            let _ = reply.send(result);
-                        }
-                        None => {}
+                Action::Dispatch { model, reqs, max_rows } => self.start_run(model, reqs, max_rows),
+                Action::Reply { req, result } => self.reply(req, result),
+                Action::Collected { req, models } => {
+                    if let Some(reply) = self.collections.remove(&req) {
+                        let _ = reply.send(models);
                     }
                 }
             }
         }
     }
 
+    fn reply(&mut self, req: RequestId, result: Result<(), SnoozeError>) {
+        if let Some(job) = self.jobs.remove(&req) {
+            if let Err(e) = result {
+                if matches!(
+                    e.kind,
+                    ErrorKind::InsufficientMemory | ErrorKind::QueueFull | ErrorKind::Overloaded
+                ) {
+                    tracing::warn!(
+                        retry_after_ms = e.retry_after.map(|d| d.as_millis() as u64),
+                        code = e.kind.code(),
+                        reason = %e,
+                        "request refused"
+                    );
+                }
+                let _ = job.reply.send(Err(e));
+            }
+        } else if let Some(reply) = self.replies.remove(&req) {
+            let _ = reply.send(result);
+        }
+    }
+
+    fn start_run(&mut self, model: ModelId, reqs: Vec<RequestId>, max_rows: u32) {
+        let jobs: Vec<(RequestId, Job)> =
+            reqs.iter().filter_map(|r| self.jobs.remove(r).map(|j| (*r, j))).collect();
+        let tx = self.tx.clone();
+        let Some(instance) = self.loaded.get(&model).cloned() else {
+            tracing::error!(model, "dispatched to a model that is not loaded");
+            let _ = tx.send(Command::RunDone { model, reqs, end: BatchEnd::Done, took: Duration::ZERO });
+            return;
+        };
+        let name = self.scheduler.slot(model).policy.name.clone();
+        tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            let end = if jobs.is_empty() {
+                BatchEnd::Done
+            } else {
+                execution::run_batch(instance.as_ref(), &name, jobs, max_rows)
+            };
+            // Our reference goes before the actor hears of the end, so an unload that
+            // follows holds the last one and really frees the model.
+            drop(instance);
+            let _ = tx.send(Command::RunDone { model, reqs, end, took: started.elapsed() });
+        });
+    }
+
+    fn start_unload(&mut self, model: ModelId, device: Device, reason: UnloadReason, bytes: u64) {
+        let instance = self.loaded.remove(&model);
+        let name = self.scheduler.slot(model).policy.name.clone();
+        let tx = self.tx.clone();
+        let gpu = self.device_probe(&device);
+        tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            let before = memory::process_rss_bytes();
+            let gpu_before = gpu.as_ref().map(|p| p.snapshot().process_bytes);
+            drop(instance);
+            memory::trim_heap();
+            if let (Some(probe), Some(held)) = (&gpu, gpu_before) {
+                wait_for_gpu_release(probe.as_ref(), held, bytes);
+            }
+            let freed = before.saturating_sub(memory::process_rss_bytes());
+            tracing::info!(
+                model = %name,
+                %device,
+                reason = ?reason,
+                bytes,
+                freed_bytes = freed,
+                duration_ms = started.elapsed().as_millis() as u64,
+                "model unloaded ({:?}, {} accounted, {} returned to the OS)",
+                reason,
+                format_bytes(bytes),
+                format_bytes(freed)
+            );
+            let _ = tx.send(Command::UnloadDone { model });
+        });
+    }
+
     fn start_load(&mut self, model: ModelId, device: Device) {
         let (backend, path) = self.backends[model].clone();
+        let policy = &self.scheduler.slot(model).policy;
         let spec = LoadSpec {
-            name: self.scheduler.slot(model).policy.name.clone(),
+            name: policy.name.clone(),
             path,
             device,
             intra_op_threads: self.intra_op_threads,
+            instances: policy.max_concurrency.max(1) as usize,
         };
-        self.load_started.insert(model, Instant::now());
         tracing::debug!(model = %spec.name, device = %spec.device, "loading");
         let tx = self.tx.clone();
         let probe = self.probe.clone();

@@ -1,13 +1,14 @@
-//! The shell with a fake backend and a fake probe, on tokio's paused clock: leases,
-//! single-flight loads, keep-alive and shutdown through the real actor.
+//! The shell with a fake backend and a fake probe, on tokio's clock: single-flight
+//! loads, batches through the actor, keep-alive, cancellation and shutdown.
 
 use std::sync::{
     atomic::{AtomicU64, AtomicUsize, Ordering},
-    Mutex,
+    Condvar, Mutex,
 };
 
 use super::*;
 use crate::{
+    lifecycle::StateName,
     memory::MemorySnapshot,
     tensor::{Tensor, TensorData},
     units::KeepAlive,
@@ -16,15 +17,40 @@ use crate::{
 
 const MB: u64 = 1 << 20;
 
-/// Free memory that the fake backend's loads and drops move.
+/// Free memory that the fake backend's loads and drops move, and the process's RSS.
 struct FakeProbe {
     free: Arc<AtomicU64>,
+    process: Arc<AtomicU64>,
 }
 
 impl MemoryProbe for FakeProbe {
     fn snapshot(&self) -> MemorySnapshot {
-        let free = self.free.load(Ordering::SeqCst);
-        MemorySnapshot { total_bytes: 1000 * MB, available_bytes: free, ..Default::default() }
+        MemorySnapshot {
+            total_bytes: 1000 * MB,
+            available_bytes: self.free.load(Ordering::SeqCst),
+            process_bytes: self.process.load(Ordering::SeqCst),
+            ..Default::default()
+        }
+    }
+}
+
+/// Holds every run until opened.
+#[derive(Default)]
+struct Gate {
+    open: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Gate {
+    fn set(&self, open: bool) {
+        *self.open.lock().unwrap() = open;
+        self.cv.notify_all();
+    }
+    fn wait(&self) {
+        let mut open = self.open.lock().unwrap();
+        while !*open {
+            open = self.cv.wait(open).unwrap();
+        }
     }
 }
 
@@ -32,15 +58,20 @@ struct FakeBackend {
     free: Arc<AtomicU64>,
     loads: AtomicUsize,
     fail: Mutex<Option<LoadError>>,
+    /// Inference runs out of memory on batches larger than this.
     max_batch: Arc<AtomicU64>,
+    gate: Arc<Gate>,
+    /// Rows of every run, in order.
+    runs: Arc<Mutex<Vec<i64>>>,
 }
 
 struct FakeModel {
     free: Arc<AtomicU64>,
     bytes: u64,
     sig: ModelSignature,
-    /// Inference runs out of memory on batches larger than this.
     max_batch: Arc<AtomicU64>,
+    gate: Arc<Gate>,
+    runs: Arc<Mutex<Vec<i64>>>,
 }
 
 impl Drop for FakeModel {
@@ -53,22 +84,36 @@ impl LoadedModel for FakeModel {
     fn signature(&self) -> &ModelSignature {
         &self.sig
     }
-    fn infer(&self, inputs: Vec<Tensor>, _: &[String]) -> Result<Vec<Tensor>, InferError> {
-        assert!(inputs[0].shape[0] >= 0, "fake: a negative batch makes the backend panic");
-        if inputs[0].shape[0] as u64 > self.max_batch.load(Ordering::SeqCst) {
+    fn infer(&self, inputs: &[Tensor], _: &[String]) -> Result<Vec<Tensor>, InferError> {
+        self.gate.wait();
+        let rows = inputs[0].shape[0];
+        if let TensorData::Fp32(v) = &inputs[0].data {
+            assert!(!v.iter().any(|x| *x < -1000.0), "fake: a value below -1000 makes the backend panic");
+        }
+        self.runs.lock().unwrap().push(rows);
+        if rows as u64 > self.max_batch.load(Ordering::SeqCst) {
             return Err(InferError::OutOfMemory("fake: batch too large".into()));
         }
-        // y = 2x, so a split-and-joined answer is checkable.
+        // y = 2x, so a merged, split or halved answer is checkable.
         Ok(inputs
-            .into_iter()
-            .map(|t| match t.data {
+            .iter()
+            .map(|t| match &t.data {
                 TensorData::Fp32(v) => {
-                    Tensor::new("y", t.shape, TensorData::Fp32(v.iter().map(|x| x * 2.0).collect()))
+                    Tensor::new("y", t.shape.clone(), TensorData::Fp32(v.iter().map(|x| x * 2.0).collect()))
                 }
-                other => Tensor::new("y", t.shape, other),
+                other => Tensor::new("y", t.shape.clone(), other.clone()),
             })
             .collect())
     }
+}
+
+fn batch_signature() -> ModelSignature {
+    let spec = |name: &str| crate::tensor::TensorSpec {
+        name: name.into(),
+        datatype: crate::DataType::Fp32,
+        shape: vec![-1, 2],
+    };
+    ModelSignature { platform: "fake".into(), inputs: vec![spec("x")], outputs: vec![spec("y")] }
 }
 
 impl Backend for FakeBackend {
@@ -79,7 +124,7 @@ impl Backend for FakeBackend {
         crate::FootprintEstimate::indeterminate("fake")
     }
     fn signature(&self, _: &std::path::Path) -> Result<ModelSignature, LoadError> {
-        Ok(ModelSignature::default())
+        Ok(batch_signature())
     }
     fn load(&self, _: &LoadSpec) -> Result<Arc<dyn LoadedModel>, LoadError> {
         self.loads.fetch_add(1, Ordering::SeqCst);
@@ -87,43 +132,54 @@ impl Backend for FakeBackend {
             return Err(e);
         }
         let bytes = 100 * MB;
-        let free = self.free.load(Ordering::SeqCst);
-        if free < bytes {
+        if self.free.load(Ordering::SeqCst) < bytes {
             return Err(LoadError::OutOfMemory("fake: not enough".into()));
         }
         self.free.fetch_sub(bytes, Ordering::SeqCst);
         Ok(Arc::new(FakeModel {
             free: self.free.clone(),
             bytes,
-            sig: ModelSignature::default(),
+            sig: batch_signature(),
             max_batch: self.max_batch.clone(),
+            gate: self.gate.clone(),
+            runs: self.runs.clone(),
         }))
     }
 }
 
-fn fake_backend(free: &Arc<AtomicU64>) -> Arc<FakeBackend> {
-    Arc::new(FakeBackend {
+struct Setup {
+    m: ModelManager,
+    backend: Arc<FakeBackend>,
+    free: Arc<AtomicU64>,
+    process: Arc<AtomicU64>,
+}
+
+fn setup(names: &[&str], keep_alive: KeepAlive) -> Setup {
+    setup_with(names, keep_alive, |_| {})
+}
+
+fn setup_with(names: &[&str], keep_alive: KeepAlive, tweak: impl Fn(&mut ModelPolicy)) -> Setup {
+    setup_full(names, keep_alive, tweak, |_| {})
+}
+
+fn setup_full(
+    names: &[&str],
+    keep_alive: KeepAlive,
+    tweak: impl Fn(&mut ModelPolicy),
+    configure: impl FnOnce(&mut ManagerConfig),
+) -> Setup {
+    let free = Arc::new(AtomicU64::new(250 * MB));
+    let process = Arc::new(AtomicU64::new(0));
+    let gate = Arc::new(Gate::default());
+    gate.set(true);
+    let backend = Arc::new(FakeBackend {
         free: free.clone(),
         loads: AtomicUsize::new(0),
         fail: Mutex::new(None),
         max_batch: Arc::new(AtomicU64::new(u64::MAX)),
-    })
-}
-
-fn entry(backend: &Arc<FakeBackend>, policy: ModelPolicy) -> ModelEntry {
-    ModelEntry {
-        policy,
-        backend: backend.clone() as Arc<dyn Backend>,
-        path: PathBuf::from("/nowhere"),
-        signature: Ok(ModelSignature::default()),
-        preload: false,
-        fingerprint: String::new(),
-    }
-}
-
-fn setup(names: &[&str], keep_alive: KeepAlive) -> (ModelManager, Arc<FakeBackend>, Arc<AtomicU64>) {
-    let free = Arc::new(AtomicU64::new(250 * MB));
-    let backend = fake_backend(&free);
+        gate,
+        runs: Arc::default(),
+    });
     let models = names
         .iter()
         .map(|n| {
@@ -131,11 +187,18 @@ fn setup(names: &[&str], keep_alive: KeepAlive) -> (ModelManager, Arc<FakeBacken
             policy.estimate_steady = Some(100 * MB);
             policy.estimate_peak = Some(100 * MB);
             policy.keep_alive = keep_alive;
-            policy.min_residency = Duration::ZERO;
-            entry(&backend, policy)
+            tweak(&mut policy);
+            ModelEntry {
+                policy,
+                backend: backend.clone() as Arc<dyn Backend>,
+                path: PathBuf::from("/nowhere"),
+                signature: Ok(batch_signature()),
+                preload: false,
+                fingerprint: String::new(),
+            }
         })
         .collect();
-    let manager = ModelManager::start(ManagerConfig {
+    let mut config = ManagerConfig {
         scheduler: SchedulerConfig {
             budgets: [(Device::Cpu, 1000 * MB)].into(),
             ..SchedulerConfig::default()
@@ -143,203 +206,308 @@ fn setup(names: &[&str], keep_alive: KeepAlive) -> (ModelManager, Arc<FakeBacken
         models,
         acquire_timeout: Duration::from_secs(30),
         intra_op_threads: 1,
-        probe: Arc::new(FakeProbe { free: free.clone() }),
+        probe: Arc::new(FakeProbe { free: free.clone(), process: process.clone() }),
         gpu_probes: Vec::new(),
         store: None,
         thresholds: Default::default(),
         check_interval: Duration::from_secs(5),
-    });
-    (manager, backend, free)
+    };
+    configure(&mut config);
+    let m = ModelManager::start(config);
+    Setup { m, backend, free, process }
 }
 
-async fn state(m: &ModelManager, name: &str) -> crate::lifecycle::StateName {
+async fn state(m: &ModelManager, name: &str) -> StateName {
     m.status().await.into_iter().find(|s| s.name == name).expect("model").state
 }
 
+/// Waits for the actor (and its blocking threads) without racing the clock.
+async fn until(m: &ModelManager, name: &str, want: StateName) {
+    while state(m, name).await != want {
+        tokio::task::yield_now().await;
+    }
+}
+
+fn rows(n: usize, first: f32) -> Vec<Tensor> {
+    vec![Tensor::new(
+        "x",
+        vec![n as i64, 2],
+        TensorData::Fp32((0..2 * n).map(|i| first + i as f32).collect()),
+    )]
+}
+
+fn doubled(out: &[Tensor], n: usize, first: f32) {
+    assert_eq!(out[0].shape, [n as i64, 2]);
+    assert_eq!(out[0].data, TensorData::Fp32((0..2 * n).map(|i| 2.0 * (first + i as f32)).collect()));
+}
+
 #[tokio::test]
-async fn concurrent_first_requests_share_one_load_and_leases_release() {
-    let (m, backend, _) = setup(&["a"], KeepAlive::Forever);
-    let (l1, l2, l3) = tokio::join!(m.acquire("a"), m.acquire("a"), m.acquire("a"));
-    let (l1, l2, l3) = (l1.unwrap(), l2.unwrap(), l3.unwrap());
-    assert_eq!(backend.loads.load(Ordering::SeqCst), 1);
-    let out = l1.model().infer(vec![Tensor::new("x", vec![1], TensorData::Fp32(vec![1.0]))], &[]).unwrap();
-    assert_eq!(out.len(), 1);
-    assert_eq!(m.status().await[0].leases, 3);
-    drop((l1, l2, l3));
-    assert_eq!(m.status().await[0].leases, 0);
+async fn concurrent_first_requests_share_one_load_and_one_batch() {
+    let s = setup(&["a"], KeepAlive::Forever);
+    let (a, b, c) = tokio::join!(
+        s.m.infer("a", None, rows(1, 0.0), vec![]),
+        s.m.infer("a", None, rows(2, 10.0), vec![]),
+        s.m.infer("a", None, rows(3, 20.0), vec![]),
+    );
+    doubled(&a.unwrap(), 1, 0.0);
+    doubled(&b.unwrap(), 2, 10.0);
+    doubled(&c.unwrap(), 3, 20.0);
+    assert_eq!(s.backend.loads.load(Ordering::SeqCst), 1);
+    assert_eq!(*s.backend.runs.lock().unwrap(), [6], "one run of 1 + 2 + 3 rows");
+}
+
+#[tokio::test]
+async fn requests_queued_behind_a_run_are_batched_and_split_back() {
+    let s = setup(&["a"], KeepAlive::Forever);
+    s.m.infer("a", None, rows(1, 0.0), vec![]).await.unwrap(); // loaded
+    s.backend.gate.set(false);
+    let first = tokio::spawn({
+        let m = s.m.clone();
+        async move { m.infer("a", None, rows(1, 0.0), vec![]).await }
+    });
+    while s.m.status().await[0].leases == 0 {
+        tokio::task::yield_now().await;
+    }
+    let waiting: Vec<_> = (0..7)
+        .map(|i| {
+            let m = s.m.clone();
+            tokio::spawn(async move { m.infer("a", None, rows(1, 100.0 * i as f32), vec![]).await })
+        })
+        .collect();
+    while s.m.status().await[0].queued.iter().sum::<usize>() < 7 {
+        tokio::task::yield_now().await;
+    }
+    s.backend.gate.set(true);
+    first.await.unwrap().unwrap();
+    for (i, w) in waiting.into_iter().enumerate() {
+        doubled(&w.await.unwrap().unwrap(), 1, 100.0 * i as f32);
+    }
+    assert_eq!(*s.backend.runs.lock().unwrap(), [1, 1, 7], "the seven that waited ran together");
+}
+
+#[tokio::test]
+async fn a_caller_that_goes_away_leaves_the_queue_and_its_request_never_runs() {
+    let s = setup(&["a"], KeepAlive::Forever);
+    s.m.infer("a", None, rows(1, 0.0), vec![]).await.unwrap();
+    s.backend.gate.set(false);
+    let running = tokio::spawn({
+        let m = s.m.clone();
+        async move { m.infer("a", None, rows(1, 0.0), vec![]).await }
+    });
+    while s.m.status().await[0].leases == 0 {
+        tokio::task::yield_now().await;
+    }
+    let gone = tokio::spawn({
+        let m = s.m.clone();
+        async move { m.infer("a", None, rows(5, 0.0), vec![]).await }
+    });
+    while s.m.status().await[0].queued.iter().sum::<usize>() == 0 {
+        tokio::task::yield_now().await;
+    }
+    gone.abort();
+    let _ = gone.await;
+    while s.m.status().await[0].queued.iter().sum::<usize>() > 0 {
+        tokio::task::yield_now().await;
+    }
+    s.backend.gate.set(true);
+    running.await.unwrap().unwrap();
+    s.m.infer("a", None, rows(1, 0.0), vec![]).await.unwrap();
+    assert_eq!(*s.backend.runs.lock().unwrap(), [1, 1, 1], "the 5-row request never ran");
 }
 
 #[tokio::test]
 async fn unknown_model_is_not_found() {
-    let (m, _, _) = setup(&["a"], KeepAlive::Forever);
-    assert_eq!(m.acquire("zzz").await.err().unwrap().kind, ErrorKind::ModelNotFound);
+    let s = setup(&["a"], KeepAlive::Forever);
+    assert_eq!(
+        s.m.infer("zzz", None, rows(1, 0.0), vec![]).await.unwrap_err().kind,
+        ErrorKind::ModelNotFound
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn idle_models_unload_when_keep_alive_runs_out() {
-    let (m, _, free) = setup(&["a"], KeepAlive::For(Duration::from_secs(60)));
-    drop(m.acquire("a").await.unwrap());
-    assert_eq!(free.load(Ordering::SeqCst), 150 * MB);
+    let s = setup(&["a"], KeepAlive::For(Duration::from_secs(60)));
+    s.m.infer("a", None, rows(1, 0.0), vec![]).await.unwrap();
+    assert_eq!(s.free.load(Ordering::SeqCst), 150 * MB);
     tokio::time::sleep(Duration::from_secs(59)).await;
-    assert_eq!(state(&m, "a").await, crate::lifecycle::StateName::Ready);
+    assert_eq!(state(&s.m, "a").await, StateName::Ready);
     tokio::time::sleep(Duration::from_secs(2)).await;
-    // The unload runs on a blocking thread: wait for it without racing the clock.
-    while state(&m, "a").await != crate::lifecycle::StateName::Unloaded {
-        tokio::task::yield_now().await;
-    }
-    assert_eq!(free.load(Ordering::SeqCst), 250 * MB, "the model's memory came back");
+    until(&s.m, "a", StateName::Unloaded).await;
+    assert_eq!(s.free.load(Ordering::SeqCst), 250 * MB, "the model's memory came back");
 }
 
 #[tokio::test]
 async fn probe_oom_evicts_and_retries_through_the_actor() {
     // The budget allows three, but the fake machine has room for two: the third load
     // reports a verified OOM, the shell evicts the LRU and the retry fits.
-    let (m, backend, _) = setup(&["a", "b", "c"], KeepAlive::Forever);
-    drop(m.acquire("a").await.unwrap());
-    drop(m.acquire("b").await.unwrap());
-    let c = m.acquire("c").await;
+    let s = setup(&["a", "b", "c"], KeepAlive::Forever);
+    s.m.infer("a", None, rows(1, 0.0), vec![]).await.unwrap();
+    s.m.infer("b", None, rows(1, 0.0), vec![]).await.unwrap();
+    let c = s.m.infer("c", None, rows(1, 0.0), vec![]).await;
     assert!(c.is_ok(), "{:?}", c.err());
-    let st = m.status().await;
-    assert_eq!(st[0].evictions, 1, "a, the LRU, made room");
-    assert!(backend.loads.load(Ordering::SeqCst) >= 3);
+    assert_eq!(s.m.status().await[0].evictions, 1, "a, the LRU, made room");
 }
 
 #[tokio::test]
 async fn failed_load_is_reported_and_backs_off() {
-    let (m, backend, _) = setup(&["a"], KeepAlive::Forever);
-    *backend.fail.lock().unwrap() = Some(LoadError::Failed("corrupt file".into()));
-    let e = m.acquire("a").await.err().unwrap();
+    let s = setup(&["a"], KeepAlive::Forever);
+    *s.backend.fail.lock().unwrap() = Some(LoadError::Failed("corrupt file".into()));
+    let e = s.m.infer("a", None, rows(1, 0.0), vec![]).await.unwrap_err();
     assert_eq!(e.kind, ErrorKind::ModelFailed);
     assert!(e.message.contains("corrupt file"));
-    let e = m.acquire("a").await.err().unwrap();
+    let e = s.m.infer("a", None, rows(1, 0.0), vec![]).await.unwrap_err();
     assert!(e.retry_after.is_some(), "second try inside the backoff is refused at once");
-    assert_eq!(backend.loads.load(Ordering::SeqCst), 1);
+    assert_eq!(s.backend.loads.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test]
-async fn shutdown_waits_for_leases_then_unloads() {
-    let (m, _, free) = setup(&["a"], KeepAlive::Forever);
-    let lease = m.acquire("a").await.unwrap();
-    let m2 = m.clone();
+async fn shutdown_waits_for_runs_then_unloads() {
+    let s = setup(&["a"], KeepAlive::Forever);
+    s.m.infer("a", None, rows(1, 0.0), vec![]).await.unwrap();
+    s.backend.gate.set(false);
+    let running = tokio::spawn({
+        let m = s.m.clone();
+        async move { m.infer("a", None, rows(1, 0.0), vec![]).await }
+    });
+    while s.m.status().await[0].leases == 0 {
+        tokio::task::yield_now().await;
+    }
+    let m2 = s.m.clone();
     let done = tokio::spawn(async move { m2.shutdown(Duration::from_secs(30)).await });
     tokio::task::yield_now().await;
-    assert_eq!(m.acquire("a").await.err().unwrap().kind, ErrorKind::ShuttingDown);
-    drop(lease);
+    let e = s.m.infer("a", None, rows(1, 0.0), vec![]).await.unwrap_err();
+    assert_eq!(e.kind, ErrorKind::ShuttingDown);
+    s.backend.gate.set(true);
+    running.await.unwrap().unwrap();
     assert!(done.await.unwrap(), "drained before the timeout");
-    assert_eq!(free.load(Ordering::SeqCst), 250 * MB);
-}
-
-fn batch(n: usize) -> Vec<Tensor> {
-    vec![Tensor::new("x", vec![n as i64, 2], TensorData::Fp32((0..2 * n).map(|i| i as f32).collect()))]
+    assert_eq!(s.free.load(Ordering::SeqCst), 250 * MB);
 }
 
 #[tokio::test]
 async fn inference_oom_evicts_idle_then_splits_the_batch_then_refuses() {
-    let (m, backend, _) = setup(&["a", "b"], KeepAlive::Forever);
-    drop(m.acquire("b").await.unwrap());
+    let s = setup(&["a", "b"], KeepAlive::Forever);
+    s.m.infer("b", None, rows(1, 0.0), vec![]).await.unwrap();
     // A batch of 4 fails, halves of 2 pass: b (idle) is evicted on the way.
-    backend.max_batch.store(2, Ordering::SeqCst);
-    let out = m.infer("a", Priority::Normal, batch(4), vec![]).await.unwrap();
-    assert_eq!(out[0].shape, [4, 2]);
-    assert_eq!(out[0].data, TensorData::Fp32((0..8).map(|i| 2.0 * i as f32).collect()));
-    let st = m.status().await;
-    assert_eq!(st[1].state, crate::lifecycle::StateName::Unloaded, "the idle model was evicted first");
+    s.backend.max_batch.store(2, Ordering::SeqCst);
+    let out = s.m.infer("a", None, rows(4, 0.0), vec![]).await.unwrap();
+    doubled(&out, 4, 0.0);
+    assert_eq!(s.m.status().await[1].state, StateName::Unloaded, "the idle model was evicted first");
     // Nothing helps: 503 with Retry-After.
-    backend.max_batch.store(0, Ordering::SeqCst);
-    let e = m.infer("a", Priority::Normal, batch(4), vec![]).await.unwrap_err();
+    s.backend.max_batch.store(0, Ordering::SeqCst);
+    let e = s.m.infer("a", None, rows(4, 0.0), vec![]).await.unwrap_err();
     assert_eq!(e.kind, ErrorKind::InsufficientMemory);
     assert!(e.retry_after.is_some() && e.message.contains("half the batch"), "{}", e.message);
     // A batch of one cannot be split.
-    let e = m.infer("a", Priority::Normal, batch(1), vec![]).await.unwrap_err();
-    assert!(e.message.contains("after evicting"), "{}", e.message);
+    let e = s.m.infer("a", None, rows(1, 0.0), vec![]).await.unwrap_err();
+    assert!(e.message.contains("cannot be split"), "{}", e.message);
 }
 
 #[tokio::test]
 async fn gc_unloads_idle_unpinned_models_and_reports_them() {
-    let (m, _, free) = setup(&["a", "b"], KeepAlive::Forever);
-    drop(m.acquire("a").await.unwrap());
-    let held = m.acquire("b").await.unwrap();
-    let report = m.gc(None).await;
-    assert_eq!(report.models_unloaded, ["a"], "b is leased");
-    assert_eq!(free.load(Ordering::SeqCst), 150 * MB);
-    drop(held);
+    let s = setup_with(&["a", "b", "p"], KeepAlive::Forever, |p| p.pinned = p.name == "p");
+    s.m.infer("a", None, rows(1, 0.0), vec![]).await.unwrap();
+    s.m.infer("p", None, rows(1, 0.0), vec![]).await.unwrap();
+    let report = s.m.gc(None).await;
+    assert_eq!(report.models_unloaded, ["a"], "p is pinned, b is not loaded");
+    assert_eq!(s.free.load(Ordering::SeqCst), 150 * MB);
 }
 
-#[tokio::test]
-async fn low_priority_is_refused_under_critical_pressure() {
-    let (mut m, _, _) = setup(&["a"], KeepAlive::Forever);
-    m.pressure_level_for_test(crate::pressure::PressureLevel::Critical);
-    let e = m.acquire_with("a", Priority::Low).await.err().unwrap();
+#[tokio::test(start_paused = true)]
+async fn low_priority_is_refused_under_critical_pressure_by_the_scheduler() {
+    let s = setup(&["a"], KeepAlive::Forever);
+    s.process.store(990 * MB, Ordering::SeqCst); // 99% of the 1000 MiB budget
+    tokio::time::sleep(Duration::from_secs(6)).await; // a pressure reading
+    assert!(s.m.pressure_level() >= PressureLevel::Critical);
+    let e = s.m.infer("a", Some(Priority::Low), rows(1, 0.0), vec![]).await.unwrap_err();
     assert_eq!(e.kind, ErrorKind::InsufficientMemory);
-    assert!(m.acquire_with("a", Priority::Normal).await.is_ok());
+    assert!(e.message.contains("low-priority"), "{}", e.message);
 }
 
 #[tokio::test]
 async fn a_full_gpu_falls_back_to_the_cpu_by_the_probe() {
     // The GPU's budget would take the model, but its (fake) probe says 10 MB are free.
     let free = Arc::new(AtomicU64::new(250 * MB));
-    let gpu_free = Arc::new(AtomicU64::new(10 * MB));
-    let backend = fake_backend(&free);
+    let process = Arc::new(AtomicU64::new(0));
+    let s = setup(&[], KeepAlive::Forever);
+    let backend = s.backend.clone();
     let mut policy = ModelPolicy::new("g");
     policy.devices = vec![Device::Cuda(0), Device::Cpu];
     policy.estimate_steady = Some(100 * MB);
     let mut no_fallback = policy.clone();
     no_fallback.name = "strict".into();
     no_fallback.cpu_fallback = false;
+    let entry = |policy| ModelEntry {
+        policy,
+        backend: backend.clone() as Arc<dyn Backend>,
+        path: PathBuf::from("/nowhere"),
+        signature: Ok(batch_signature()),
+        preload: false,
+        fingerprint: String::new(),
+    };
+    let gpu = Arc::new(FakeProbe { free: Arc::new(AtomicU64::new(10 * MB)), process: process.clone() });
     let m = ModelManager::start(ManagerConfig {
         scheduler: SchedulerConfig {
             budgets: [(Device::Cpu, 1000 * MB), (Device::Cuda(0), 80_000 * MB)].into(),
+            queue_timeout: Duration::from_millis(300),
             ..SchedulerConfig::default()
         },
-        models: vec![entry(&backend, policy), entry(&backend, no_fallback)],
+        models: vec![entry(policy), entry(no_fallback)],
         acquire_timeout: Duration::from_secs(30),
         intra_op_threads: 1,
-        probe: Arc::new(FakeProbe { free }),
-        gpu_probes: vec![(Device::Cuda(0), Arc::new(FakeProbe { free: gpu_free }) as Arc<dyn MemoryProbe>)],
+        probe: Arc::new(FakeProbe { free, process }),
+        gpu_probes: vec![(Device::Cuda(0), gpu as Arc<dyn MemoryProbe>)],
         store: None,
         thresholds: Default::default(),
         check_interval: Duration::from_secs(5),
     });
-    drop(m.acquire("g").await.unwrap());
+    m.infer("g", None, rows(1, 0.0), vec![]).await.unwrap();
     assert_eq!(m.status().await[0].device.as_deref(), Some("cpu"));
-    let e = m.acquire("strict").await.err().unwrap();
-    assert_eq!(e.kind, ErrorKind::InsufficientMemory);
-    assert!(e.message.contains("cuda:0"), "{}", e.message);
+    // Without a fallback it waits for the GPU to free memory, then gives up.
+    let e = m.infer("strict", None, rows(1, 0.0), vec![]).await.unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Overloaded);
+    assert!(e.retry_after.is_some() && e.message.contains("queue_timeout"), "{}", e.message);
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_backend_panic_is_a_500_naming_the_model_then_a_backoff_not_a_reload_storm() {
-    let (m, backend, _) = setup(&["a"], KeepAlive::Forever);
-    let bad = || vec![Tensor::new("x", vec![-1], TensorData::Fp32(vec![]))];
-    let e = m.infer("a", Priority::Normal, bad(), vec![]).await.unwrap_err();
+    let s = setup(&["a"], KeepAlive::Forever);
+    let bad = vec![Tensor::new("x", vec![1, 2], TensorData::Fp32(vec![-5000.0, 0.0]))];
+    let e = s.m.infer("a", None, bad, vec![]).await.unwrap_err();
     assert_eq!(e.kind, ErrorKind::Inference);
-    assert!(e.message.contains("'a' panicked") && e.message.contains("negative batch"), "{}", e.message);
+    assert!(e.message.contains("'a' panicked") && e.message.contains("below -1000"), "{}", e.message);
     // Unloaded, then refused during the backoff: hammering it loads nothing.
-    while state(&m, "a").await != crate::lifecycle::StateName::Failed {
-        tokio::task::yield_now().await;
-    }
+    until(&s.m, "a", StateName::Failed).await;
     for _ in 0..20 {
-        let e = m.infer("a", Priority::Normal, batch(1), vec![]).await.unwrap_err();
+        let e = s.m.infer("a", None, rows(1, 0.0), vec![]).await.unwrap_err();
         assert_eq!(e.kind, ErrorKind::ModelFailed);
         assert!(e.retry_after.is_some());
     }
-    assert_eq!(backend.loads.load(Ordering::SeqCst), 1);
+    assert_eq!(s.backend.loads.load(Ordering::SeqCst), 1);
     // After the backoff it is reloaded and serves again.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(m.infer("a", Priority::Normal, batch(1), vec![]).await.is_ok());
-    assert_eq!(backend.loads.load(Ordering::SeqCst), 2);
+    assert!(s.m.infer("a", None, rows(1, 0.0), vec![]).await.is_ok());
+    assert_eq!(s.backend.loads.load(Ordering::SeqCst), 2);
 }
 
-#[tokio::test(start_paused = true)]
-async fn an_unload_waiting_on_a_long_request_answers_within_the_bound_and_still_happens() {
-    let (m, _, free) = setup(&["a"], KeepAlive::Forever);
-    let lease = m.acquire("a").await.unwrap();
-    let e = m.unload("a").await.unwrap_err();
-    assert_eq!(e.kind, ErrorKind::Overloaded);
-    assert!(e.retry_after.is_some() && e.message.contains("still serving"), "{}", e.message);
-    drop(lease);
-    while state(&m, "a").await != crate::lifecycle::StateName::Unloaded {
+#[tokio::test]
+async fn an_unload_waiting_on_a_long_run_answers_within_the_bound_and_still_happens() {
+    // A real (short) clock: a run blocked on a thread keeps tokio's paused clock still.
+    let s =
+        setup_full(&["a"], KeepAlive::Forever, |_| {}, |c| c.acquire_timeout = Duration::from_millis(200));
+    s.m.infer("a", None, rows(1, 0.0), vec![]).await.unwrap();
+    s.backend.gate.set(false);
+    let running = tokio::spawn({
+        let m = s.m.clone();
+        async move { m.infer("a", None, rows(1, 0.0), vec![]).await }
+    });
+    while s.m.status().await[0].leases == 0 {
         tokio::task::yield_now().await;
     }
-    assert_eq!(free.load(Ordering::SeqCst), 250 * MB, "the unload went on once the request ended");
+    let e = s.m.unload("a").await.unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Overloaded);
+    assert!(e.retry_after.is_some() && e.message.contains("still serving"), "{}", e.message);
+    s.backend.gate.set(true);
+    running.await.unwrap().unwrap();
+    until(&s.m, "a", StateName::Unloaded).await;
+    assert_eq!(s.free.load(Ordering::SeqCst), 250 * MB, "the unload went on once the run ended");
 }

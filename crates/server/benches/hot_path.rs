@@ -94,7 +94,7 @@ fn main() -> anyhow::Result<()> {
             c,
             || Ok(()),
             move |_: &mut ()| {
-                model.infer(vec![input.clone()], &[]).map(drop).map_err(|e| anyhow::anyhow!("{e}"))
+                model.infer(std::slice::from_ref(&input), &[]).map(drop).map_err(|e| anyhow::anyhow!("{e}"))
             },
         )
     };
@@ -188,14 +188,19 @@ fn server_config(models: &Path) -> String {
 }
 
 fn load(backend: &OrtBackend, models: &Path, name: &str) -> anyhow::Result<Arc<dyn LoadedModel>> {
-    let spec =
-        LoadSpec { name: name.into(), path: models.join(name), device: Device::Cpu, intra_op_threads: 0 };
+    let spec = LoadSpec {
+        name: name.into(),
+        path: models.join(name),
+        device: Device::Cpu,
+        intra_op_threads: 0,
+        instances: 1,
+    };
     backend.load(&spec).map_err(|e| anyhow::anyhow!("{e}"))
 }
 
 fn infer_once(model: &dyn LoadedModel, r: &Reference) -> anyhow::Result<Vec<f32>> {
     let input = Tensor::new("x", r.shape.clone(), TensorData::Fp32(r.input.clone()));
-    let out = model.infer(vec![input], &[]).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let out = model.infer(&[input], &[]).map_err(|e| anyhow::anyhow!("{e}"))?;
     match out.into_iter().next().map(|t| t.data) {
         Some(TensorData::Fp32(v)) => Ok(v),
         other => bail!("unexpected output {other:?}"),

@@ -14,6 +14,7 @@ use std::{
 
 use serde::Deserialize;
 use snooze_core::{
+    lifecycle::Priority,
     pressure::Thresholds,
     units::{parse_bytes, parse_duration, KeepAlive, MemorySize},
     Device,
@@ -65,12 +66,16 @@ pub const SERVER_KEYS: &[ServerKey] = &[
     key("host_memory_limit", "auto", "Memory budget of the whole process: \"auto\" (machine or cgroup limit minus headroom), a percentage of what exists (\"80%\"), or a size (\"6GiB\")."),
     key("headroom", "64MiB", "Memory kept free on top of each model's footprint; \"auto\" also subtracts it from the limit."),
     key("keep_alive", "5m", "How long an idle model stays loaded after its last request; 0 = unload at once, -1 = never."),
-    key("min_residency", "10s", "A model is not evicted sooner than this after loading (stops ping-pong)."),
+    key("min_residency", "0s", "A model is not evicted sooner than this after loading; a load that needs its room waits (a model just loaded always serves the requests that waited for it first)."),
     key("max_loaded_models", "0", "Most models loaded at once; 0 = no cap."),
     key("retry_after", "5s", "Retry-After sent with refusals that have no better estimate."),
     key("state_dir", ".snooze", "Where the server keeps its state (learned footprints)."),
     ServerKey { name: "model_dir", default: None, help: "A model repository: every sub-folder holding model.onnx or 1/model.onnx is served under the folder's name.", secret: false },
     key("shutdown_timeout", "30s", "On SIGTERM/SIGINT, how long requests in flight may finish before models are unloaded."),
+    key("queue_timeout", "30s", "Longest a request waits in its model's queue (for memory, a load, a free run slot); then 503 + Retry-After."),
+    key("max_swap_delay", "200ms", "Longest a model waiting to load lets resident models serve their queued requests before one of them is evicted anyway; bounds how long a cold model can be starved."),
+    key("max_concurrent_inferences", "0", "Runs (batches) at once across all models; 0 = no cap."),
+    key("intra_op_spinning", "true", "Let ONNX Runtime's shared thread pool spin while waiting for work: faster under load, costs CPU when idle."),
     key("acquire_timeout", "120s", "Longest a request waits for its model to load, and a repository load or unload for its model (then 503)."),
     key("max_request_size", "64MiB", "Largest request body; larger ones get 413, refused by Content-Length before they are read."),
     key("max_inflight_request_bytes", "10%", "Memory that requests being decoded and served may hold in all (bodies, decoded tensors, the copy kept for an out-of-memory retry), as a size or a percentage of the memory budget; past it new requests get 503 + Retry-After."),
@@ -137,6 +142,11 @@ pub struct RawModel {
     pub preload: Option<bool>,
     pub devices: Option<Vec<String>>,
     pub cpu_fallback: Option<bool>,
+    pub max_queue: Option<Scalar>,
+    pub max_batch_size: Option<Scalar>,
+    pub batch_delay: Option<Scalar>,
+    pub max_concurrency: Option<Scalar>,
+    pub priority: Option<String>,
 }
 
 /// How the memory budget is set.
@@ -171,6 +181,10 @@ pub struct ServerSettings {
     pub keep_alive: KeepAlive,
     pub min_residency: Duration,
     pub max_loaded_models: usize,
+    pub queue_timeout: Duration,
+    pub max_swap_delay: Duration,
+    pub max_concurrent_inferences: u32,
+    pub intra_op_spinning: bool,
     pub retry_after: Duration,
     pub state_dir: PathBuf,
     pub shutdown_timeout: Duration,
@@ -205,6 +219,13 @@ pub struct ModelSettings {
     pub preload: bool,
     pub devices: Vec<Device>,
     pub cpu_fallback: bool,
+    pub max_queue: usize,
+    /// Rows per run; 1 = no batching (models without a dynamic batch dimension never batch).
+    pub max_batch_size: u32,
+    pub batch_delay: Duration,
+    /// Runs of this model at once (ONNX models load one session per run).
+    pub max_concurrency: u32,
+    pub priority: Priority,
 }
 
 #[derive(Debug, Clone)]
@@ -260,6 +281,11 @@ pub fn resolve(
             _ => Err(err(&format!("[server] {key}"), format!("'{text}' is not a fraction in (0, 1]"))),
         }
     };
+    let flag = |key: &str| match get(key).trim() {
+        "true" | "1" => Ok(true),
+        "false" | "0" => Ok(false),
+        other => Err(err(&format!("[server] {key}"), format!("'{other}' is not true or false"))),
+    };
     let positive = |key: &str| {
         let d = duration(key)?;
         if d.is_zero() {
@@ -291,6 +317,11 @@ pub fn resolve(
         keep_alive: KeepAlive::parse(&keep_alive_text).map_err(|e| err("[server] keep_alive", e))?,
         min_residency: duration("min_residency")?,
         max_loaded_models: count("max_loaded_models")?,
+        queue_timeout: positive("queue_timeout")?,
+        max_swap_delay: duration("max_swap_delay")?,
+        max_concurrent_inferences: u32::try_from(count("max_concurrent_inferences")?)
+            .map_err(|_| err("[server] max_concurrent_inferences", "too large"))?,
+        intra_op_spinning: flag("intra_op_spinning")?,
         retry_after: duration("retry_after")?,
         state_dir: base.join(get("state_dir")),
         shutdown_timeout: duration("shutdown_timeout")?,
@@ -314,11 +345,7 @@ pub fn resolve(
             emergency: fraction("memory_emergency_threshold")?,
         },
         memory_check_interval: duration("memory_check_interval")?,
-        low_ram_mode: match get("low_ram_mode").as_str() {
-            "true" | "1" => true,
-            "false" | "0" => false,
-            other => return Err(err("[server] low_ram_mode", format!("'{other}' is not true or false"))),
-        },
+        low_ram_mode: flag("low_ram_mode")?,
         admin_token: s.text("admin_token").filter(|t| !t.is_empty()),
     };
     server.thresholds.validate().map_err(|e| err("[server] memory_*_threshold", e))?;
@@ -396,7 +423,29 @@ fn model_settings(
             .collect::<Result<_, _>>()
             .map_err(|e| err(&key("devices"), e))?,
     };
+    let whole = |k: &str, v: &Option<Scalar>, default: u64, min: u64| -> Result<u64, ConfigError> {
+        let Some(v) = v else { return Ok(default) };
+        let text = v.to_string();
+        match text.trim().parse::<u64>() {
+            Ok(n) if n >= min && n <= u64::from(u32::MAX) => Ok(n),
+            _ => Err(err(&key(k), format!("'{text}' is not a whole number >= {min}"))),
+        }
+    };
+    let priority = match &raw.priority {
+        None => Priority::Normal,
+        Some(p) => Priority::parse(p)
+            .ok_or_else(|| err(&key("priority"), format!("'{p}' is not \"low\", \"normal\" or \"high\"")))?,
+    };
+    let batch_delay = match &raw.batch_delay {
+        None => Duration::ZERO,
+        Some(v) => parse_duration(&v.to_string()).map_err(|e| err(&key("batch_delay"), e))?,
+    };
     Ok(ModelSettings {
+        max_queue: whole("max_queue", &raw.max_queue, 256, 1)? as usize,
+        max_batch_size: whole("max_batch_size", &raw.max_batch_size, 32, 1)? as u32,
+        batch_delay,
+        max_concurrency: whole("max_concurrency", &raw.max_concurrency, 1, 1)? as u32,
+        priority,
         name: name.to_string(),
         backend,
         path,
@@ -458,7 +507,9 @@ mod tests {
         assert_eq!(c.server.http_address, "127.0.0.1:8080");
         assert_eq!(c.server.host_memory_limit, MemoryLimit::Auto);
         assert_eq!(c.server.keep_alive, KeepAlive::For(Duration::from_secs(300)));
-        assert_eq!(c.server.min_residency, Duration::from_secs(10));
+        assert_eq!(c.server.min_residency, Duration::ZERO);
+        assert_eq!(c.server.queue_timeout, Duration::from_secs(30));
+        assert_eq!(c.server.max_swap_delay, Duration::from_millis(200));
         assert_eq!(c.server.retry_after, Duration::from_secs(5));
         assert_eq!(c.server.shutdown_timeout, Duration::from_secs(30));
         assert_eq!(c.server.max_loaded_models, 0);
@@ -501,6 +552,13 @@ mod tests {
             ("[models.x]\npath = \"repo/b\"\nmemory = \"lots\"", "[models.x] memory"),
             ("[models.x]\npath = \"repo/b\"\ncolour = \"red\"", "colour"),
             ("[models.x]\npath = \"repo/b\"\ndevices = [\"tpu\"]", "[models.x] devices"),
+            ("[models.x]\npath = \"repo/b\"\nmax_batch_size = 0", "[models.x] max_batch_size"),
+            ("[models.x]\npath = \"repo/b\"\nmax_queue = \"lots\"", "[models.x] max_queue"),
+            ("[models.x]\npath = \"repo/b\"\nmax_concurrency = 0", "[models.x] max_concurrency"),
+            ("[models.x]\npath = \"repo/b\"\npriority = \"urgent\"", "[models.x] priority"),
+            ("[models.x]\npath = \"repo/b\"\nbatch_delay = \"soon\"", "[models.x] batch_delay"),
+            ("[server]\nqueue_timeout = \"0s\"", "[server] queue_timeout"),
+            ("[server]\nintra_op_spinning = \"maybe\"", "[server] intra_op_spinning"),
             ("[server]\nmemory_warning_threshold = 1.5", "[server] memory_warning_threshold"),
             ("[server]\nmemory_warning_threshold = 0.9\nmemory_critical_threshold = 0.85", "threshold"),
             ("[server]\nlow_ram_mode = \"maybe\"", "[server] low_ram_mode"),

@@ -12,7 +12,7 @@ use std::{future::Future, sync::Arc, time::Duration};
 
 use anyhow::Context;
 use snooze_backend_candle::CandleBackend;
-use snooze_backend_ort::OrtBackend;
+use snooze_backend_ort::{OrtBackend, ThreadPool};
 use snooze_core::{
     lifecycle::SchedulerConfig,
     memory::{LimitSource, MemoryProbe},
@@ -42,8 +42,12 @@ pub struct Backends {
 
 impl Backends {
     pub fn for_config(config: &Config) -> anyhow::Result<Backends> {
+        let pool = ThreadPool {
+            intra_op_threads: config.server.intra_op_threads,
+            spinning: config.server.intra_op_spinning,
+        };
         let onnx = if config.models.iter().any(|m| m.backend == BackendKind::Onnx) {
-            Some(Arc::new(OrtBackend::new(None).map_err(anyhow::Error::msg)?) as Arc<dyn Backend>)
+            Some(Arc::new(OrtBackend::with_pool(None, pool).map_err(anyhow::Error::msg)?) as Arc<dyn Backend>)
         } else {
             None
         };
@@ -108,6 +112,11 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
             keep_alive: m.keep_alive,
             min_residency: m.min_residency,
             pinned: m.pinned,
+            max_queue: m.max_queue,
+            max_batch_size: m.max_batch_size,
+            batch_delay: m.batch_delay,
+            max_concurrency: m.max_concurrency,
+            priority: m.priority,
         };
         models.push(ModelEntry {
             policy,
@@ -136,6 +145,9 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
         retry_after: s.retry_after,
         backoff_base: Duration::from_secs(1),
         backoff_max: Duration::from_secs(60),
+        queue_timeout: s.queue_timeout,
+        max_swap_delay: s.max_swap_delay,
+        max_concurrent_inferences: s.max_concurrent_inferences,
     };
     tracing::info!(
         budget_bytes = budget,

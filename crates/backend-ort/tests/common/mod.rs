@@ -21,7 +21,7 @@ pub fn model(relative: &str) -> PathBuf {
 }
 
 pub fn cpu(name: &str, path: PathBuf) -> LoadSpec {
-    LoadSpec { name: name.to_owned(), path, device: Device::Cpu, intra_op_threads: 1 }
+    LoadSpec { name: name.to_owned(), path, device: Device::Cpu, intra_op_threads: 1, instances: 1 }
 }
 
 pub fn rss_mib() -> f64 {

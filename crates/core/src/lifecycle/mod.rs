@@ -1,26 +1,39 @@
-//! The lifecycle state machine: which model is loaded where, and when that changes.
+//! The lifecycle state machine: which model is loaded where, which request runs when,
+//! and when that changes.
 //!
 //! Sans-IO, in the quinn-proto shape: the shell calls [`Scheduler::handle`] with the
 //! current instant and an [`Event`], carries out the [`Action`]s it gets back, and
 //! calls [`Scheduler::handle_timeout`] at [`Scheduler::next_deadline`]. Nothing here
 //! reads a clock, sleeps or touches a backend, so every rule is tested with
-//! hand-built instants (see `tests.rs`).
+//! hand-built instants (see `tests*.rs`).
 //!
-//! Per model a [`ModelSlot`]; per device a FIFO of models waiting to load. Only one
-//! load runs per device, and none starts while an unload on that device is still
-//! giving memory back, so the memory check before a load and the measurement after
-//! it see a quiet device.
+//! A request is *submitted* and waits in its model's queue (a lane per priority)
+//! until the model is resident and has a free run slot; then it is *dispatched*,
+//! merged with the queued requests of the same shape into one batch. A model that is
+//! not resident is loaded when its device is quiet (one load or unload at a time per
+//! device, so the memory check before a load and the measurement after it see a quiet
+//! device), evicting idle models least-recently-used first. What blocks a load but
+//! will pass by itself — runs in flight, a queue being served, a young model, a load
+//! or unload in progress — makes it *wait*, never refuse; requests are refused only
+//! when waiting cannot help (the model can never fit), when their queue is full, or
+//! when they waited `queue_timeout`.
 
+mod dispatch;
 mod plan;
+mod queue;
+mod refusal;
 mod slot;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_queueing;
 
 use std::{
-    collections::{BTreeMap, VecDeque},
+    collections::{BTreeMap, HashMap},
     time::{Duration, Instant},
 };
 
+pub use queue::{Priority, Queued, Retry};
 pub use slot::{ModelPolicy, ModelSlot, ModelStatus, SlotState, StateName};
 
 use crate::{
@@ -29,7 +42,6 @@ use crate::{
     pressure::PressureLevel,
     units::KeepAlive,
 };
-use plan::Plan;
 
 /// Index of a model, fixed at registration.
 pub type ModelId = usize;
@@ -47,11 +59,18 @@ pub struct SchedulerConfig {
     pub headroom: u64,
     /// Most models resident at once across devices; 0 = no cap.
     pub max_loaded_models: usize,
-    /// Retry-After for refusals with no better-known time.
+    /// Retry-After for memory refusals, which have no better-known time.
     pub retry_after: Duration,
     /// First backoff after a failed load; doubles per failure up to `backoff_max`.
     pub backoff_base: Duration,
     pub backoff_max: Duration,
+    /// Longest a request waits in its queue before it is refused (503).
+    pub queue_timeout: Duration,
+    /// Longest a model waiting to load lets resident models serve their queues before
+    /// it evicts one of them anyway: the bound that keeps a cold model from starving.
+    pub max_swap_delay: Duration,
+    /// Batches running at once across all models; 0 = no cap.
+    pub max_concurrent_inferences: u32,
 }
 
 impl Default for SchedulerConfig {
@@ -64,6 +83,9 @@ impl Default for SchedulerConfig {
             retry_after: Duration::from_secs(5),
             backoff_base: Duration::from_secs(1),
             backoff_max: Duration::from_secs(60),
+            queue_timeout: Duration::from_secs(30),
+            max_swap_delay: Duration::from_millis(200),
+            max_concurrent_inferences: 0,
         }
     }
 }
@@ -85,32 +107,55 @@ pub enum UnloadReason {
     Failed,
 }
 
+/// A request that wants to run on a model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Submit {
+    pub req: RequestId,
+    pub model: ModelId,
+    /// `None`: the model's default.
+    pub priority: Option<Priority>,
+    /// Rows along the batch dimension.
+    pub rows: u32,
+    /// Requests with the same key may run as one batch; `None` runs alone.
+    pub key: Option<u64>,
+}
+
+/// How a dispatched batch ended, as far as the scheduler cares (the shell answered
+/// the requests of a finished batch itself).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RunOutcome {
+    Done,
+    /// The backend verified an allocation failure: nobody was answered; retry or refuse.
+    OutOfMemory(String),
+    /// The backend panicked: the requests were answered 500; the model is not trusted.
+    Panicked(String),
+}
+
 /// What happened, as the shell tells it.
 #[derive(Debug)]
 pub enum Event {
-    /// A request wants a lease on the model (granted when it is ready).
-    Acquire { req: RequestId, model: ModelId },
-    /// Load without taking a lease (repository API, preload); replied when ready.
+    /// A request wants to run.
+    Submit(Submit),
+    /// Load without running anything (repository API, preload); replied when ready.
     Load { req: RequestId, model: ModelId },
-    /// Unload as soon as no request holds it; replied when unloaded.
+    /// Unload once nothing runs on it; replied when unloaded.
     Unload { req: RequestId, model: ModelId },
-    /// A lease ended (the request completed).
-    Release { model: ModelId },
-    /// A waiting caller went away (timeout, disconnect).
+    /// A waiting caller went away (timeout, disconnect): it leaves its queue at once.
     Cancel { req: RequestId },
-    /// The backend panicked while running the model: stop granting leases, unload it
-    /// once they end, then back off before the next load.
-    Poisoned { model: ModelId, reason: String },
+    /// A dispatched batch ended.
+    RunFinished { model: ModelId, reqs: Vec<RequestId>, outcome: RunOutcome, took: Duration },
     /// A load ended. `measured`: bytes the load took, when the shell could measure it.
     LoadFinished { model: ModelId, result: Result<LoadMeasurement, LoadError>, took: Duration },
     /// An unload ended and its memory was given back.
     UnloadFinished { model: ModelId },
-    /// Unload every idle model (pinned ones too when `include_pinned`); replied at once.
-    UnloadIdle { req: RequestId, include_pinned: bool, reason: UnloadReason },
+    /// Unload every idle model but `except` (pinned ones too when `include_pinned`);
+    /// answered with [`Action::Collected`] once they are all gone.
+    Collect { req: RequestId, except: Option<ModelId>, include_pinned: bool, reason: UnloadReason },
     /// Refuse new work from now on; waiting callers are refused.
     Shutdown,
-    /// The memory pressure level changed (rule 8). Emergency unloads every idle,
-    /// unpinned model; critical makes loads pay for themselves with evictions.
+    /// The memory pressure level (rule 8). Emergency unloads every idle, unpinned
+    /// model; critical makes loads pay for themselves with evictions and refuses
+    /// low-priority requests.
     Pressure(PressureLevel),
 }
 
@@ -130,10 +175,21 @@ pub enum Action {
     StartLoad { model: ModelId, device: Device },
     /// Drop the model, trim the heap, then send `UnloadFinished`.
     StartUnload { model: ModelId, device: Device, reason: UnloadReason, bytes: u64 },
-    /// The caller now holds a lease (already counted).
-    Grant { req: RequestId, model: ModelId },
-    /// Answer a `Load` / `Unload` / `UnloadIdle`, or refuse an `Acquire`.
+    /// Run these requests as one batch, in micro-batches of at most `max_rows` rows,
+    /// answer them, then send `RunFinished`.
+    Dispatch { model: ModelId, reqs: Vec<RequestId>, max_rows: u32 },
+    /// Answer a `Load` / `Unload`, or refuse a `Submit`.
     Reply { req: RequestId, result: Result<(), SnoozeError> },
+    /// Answer a `Collect`: these models were unloaded.
+    Collected { req: RequestId, models: Vec<ModelId> },
+}
+
+/// A garbage collection waiting for its unloads.
+#[derive(Debug)]
+struct Collection {
+    req: RequestId,
+    models: Vec<ModelId>,
+    pending: Vec<ModelId>,
 }
 
 /// The state machine. See the module docs.
@@ -141,10 +197,17 @@ pub enum Action {
 pub struct Scheduler {
     config: SchedulerConfig,
     slots: Vec<ModelSlot>,
-    queues: BTreeMap<Device, VecDeque<ModelId>>,
     available: BTreeMap<Device, u64>,
+    /// Why a model's files cannot be read, when they cannot.
+    unreadable: Vec<Option<String>>,
+    /// Dispatched requests: what they were, in case an out-of-memory retry requeues them.
+    in_flight: HashMap<RequestId, (ModelId, Priority, Queued)>,
+    running: u32,
+    collections: Vec<Collection>,
     shutting_down: bool,
     pressure: PressureLevel,
+    /// The earliest instant a waiting plan or batch may change by itself.
+    wake: Option<Instant>,
     actions: Vec<Action>,
 }
 
@@ -153,10 +216,14 @@ impl Scheduler {
         Scheduler {
             config,
             slots: Vec::new(),
-            queues: BTreeMap::new(),
             available: BTreeMap::new(),
+            unreadable: Vec::new(),
+            in_flight: HashMap::new(),
+            running: 0,
+            collections: Vec::new(),
             shutting_down: false,
             pressure: PressureLevel::Normal,
+            wake: None,
             actions: Vec::new(),
         }
     }
@@ -164,6 +231,7 @@ impl Scheduler {
     /// Adds a model; returns its id.
     pub fn register(&mut self, policy: ModelPolicy) -> ModelId {
         self.slots.push(ModelSlot::new(policy));
+        self.unreadable.push(None);
         self.slots.len() - 1
     }
 
@@ -195,6 +263,16 @@ impl Scheduler {
         self.available.insert(device, bytes);
     }
 
+    /// Records whether the model's files can be read (`Some(why)` when not): a model
+    /// that cannot is refused before anything is evicted for it.
+    pub fn observe_files(&mut self, model: ModelId, unreadable: Option<String>) {
+        self.unreadable[model] = unreadable;
+    }
+
+    pub fn is_unreadable(&self, model: ModelId) -> bool {
+        self.unreadable[model].is_some()
+    }
+
     /// Bytes accounted on a device: baseline + every resident, loading or unloading model.
     pub fn accounted(&self, device: &Device) -> u64 {
         let models: u64 = self.slots.iter().filter_map(|s| s.held_on(device)).sum();
@@ -213,46 +291,26 @@ impl Scheduler {
         self.shutting_down
     }
 
-    /// Models holding memory or leases (for shutdown: are we done?).
+    /// Models holding memory or running (for shutdown: are we done?).
     pub fn busy(&self) -> bool {
-        self.slots.iter().any(|s| !matches!(s.state, SlotState::Unloaded | SlotState::Failed { .. }))
+        self.running > 0
+            || self.slots.iter().any(|s| !matches!(s.state, SlotState::Unloaded | SlotState::Failed { .. }))
     }
 
     /// Feeds one event; returns what to do.
     pub fn handle(&mut self, now: Instant, event: Event) -> Vec<Action> {
         match event {
-            Event::Acquire { req, model } => self.on_want(now, model, slot::Waiter::Lease(req)),
-            Event::Load { req, model } => {
-                self.supersede_unload(model);
-                self.on_want(now, model, slot::Waiter::Load(req))
-            }
-            Event::Unload { req, model } => self.on_unload(now, req, model),
-            Event::Release { model } => self.on_release(now, model),
-            Event::Cancel { req } => {
-                for s in &mut self.slots {
-                    s.waiters.retain(|w| w.req() != req);
-                    s.unload_waiters.retain(|w| *w != req);
-                }
-            }
-            Event::Poisoned { model, reason } => {
-                let s = &mut self.slots[model];
-                if matches!(s.state, SlotState::Ready { .. }) && s.poisoned.is_none() {
-                    s.panics += 1;
-                    s.last_error = Some(reason.clone());
-                    s.poisoned = Some(reason);
-                    self.begin_unload(model, UnloadReason::Failed);
-                }
+            Event::Submit(s) => self.on_submit(now, s),
+            Event::Load { req, model } => self.on_load(now, req, model),
+            Event::Unload { req, model } => self.on_unload(req, model),
+            Event::Cancel { req } => self.on_cancel(req),
+            Event::RunFinished { model, reqs, outcome, took } => {
+                self.on_run_finished(now, model, reqs, outcome, took)
             }
             Event::LoadFinished { model, result, took } => self.on_load_finished(now, model, result, took),
             Event::UnloadFinished { model } => self.on_unload_finished(now, model),
-            Event::UnloadIdle { req, include_pinned, reason } => {
-                for id in 0..self.slots.len() {
-                    let s = &self.slots[id];
-                    if s.idle().is_some() && (include_pinned || !s.policy.pinned) {
-                        self.begin_unload(id, reason);
-                    }
-                }
-                self.push(Action::Reply { req, result: Ok(()) });
+            Event::Collect { req, except, include_pinned, reason } => {
+                self.on_collect(req, except, include_pinned, reason)
             }
             Event::Shutdown => self.on_shutdown(),
             Event::Pressure(level) => {
@@ -272,12 +330,25 @@ impl Scheduler {
 
     /// The earliest instant at which `handle_timeout` has something to do.
     pub fn next_deadline(&self) -> Option<Instant> {
-        self.slots.iter().filter_map(|s| s.idle_deadline()).min()
+        let timeout = self.config.queue_timeout;
+        let keep_alive = self.slots.iter().filter_map(|s| s.idle_deadline());
+        let queued = self.slots.iter().filter_map(|s| s.queue.oldest()).map(|t| t + timeout);
+        keep_alive.chain(queued).chain(self.wake).min()
     }
 
-    /// Unloads every model whose keep-alive ran out by `now`.
+    /// Refuses requests that waited `queue_timeout`, unloads models whose keep-alive
+    /// ran out, and starts what the passing of time allows.
     pub fn handle_timeout(&mut self, now: Instant) -> Vec<Action> {
+        let timeout = self.config.queue_timeout;
         for id in 0..self.slots.len() {
+            let Some(cutoff) = now.checked_sub(timeout) else { continue };
+            let expired = self.slots[id].queue.expire(cutoff);
+            if !expired.is_empty() {
+                let err = self.queue_timeout_error(id);
+                for q in expired {
+                    self.push(Action::Reply { req: q.req, result: Err(err.clone()) });
+                }
+            }
             if self.slots[id].idle_deadline().is_some_and(|d| d <= now) {
                 self.begin_unload(id, UnloadReason::Idle);
             }
@@ -290,91 +361,146 @@ impl Scheduler {
         self.actions.push(action);
     }
 
-    fn on_want(&mut self, now: Instant, model: ModelId, waiter: slot::Waiter) {
+    fn refuse(&mut self, req: RequestId, err: SnoozeError) {
+        self.push(Action::Reply { req, result: Err(err) });
+    }
+
+    /// Why a model cannot be used right now, if it cannot.
+    fn unavailable(&self, now: Instant, model: ModelId) -> Option<SnoozeError> {
         if self.shutting_down {
-            let err = SnoozeError::new(ErrorKind::ShuttingDown, "the server is shutting down")
-                .retry_after(self.config.retry_after);
-            return self.push(Action::Reply { req: waiter.req(), result: Err(err) });
+            return Some(self.shutting_down_error());
+        }
+        let s = &self.slots[model];
+        if let Some(why) = &self.unreadable[model] {
+            return Some(SnoozeError::new(
+                ErrorKind::ModelFailed,
+                format!("model '{}' cannot be loaded: {why}", s.policy.name),
+            ));
+        }
+        match &s.state {
+            SlotState::Failed { until, error } if *until > now => {
+                let wait = *until - now;
+                Some(
+                    SnoozeError::new(
+                        ErrorKind::ModelFailed,
+                        format!(
+                            "model '{}' failed and is backing off for {:.1}s more: {error}",
+                            s.policy.name,
+                            wait.as_secs_f64()
+                        ),
+                    )
+                    .retry_after(wait),
+                )
+            }
+            _ => None,
+        }
+    }
+
+    fn on_submit(&mut self, now: Instant, sub: Submit) {
+        let model = sub.model;
+        if let Some(err) = self.unavailable(now, model) {
+            return self.refuse(sub.req, err);
+        }
+        let s = &self.slots[model];
+        let priority = sub.priority.unwrap_or(s.policy.priority);
+        if priority == Priority::Low && self.pressure >= PressureLevel::Critical {
+            return self.refuse(sub.req, refusal::low_priority_under_pressure(self.config.retry_after));
+        }
+        if s.queue.len() >= s.policy.max_queue {
+            let err = self.queue_full_error(model);
+            match self.slots[model].queue.pop_least_urgent_below(priority) {
+                // A full queue makes room for a more urgent request by dropping the
+                // newest of its least urgent ones.
+                Some(dropped) => self.refuse(dropped.req, err),
+                None => return self.refuse(sub.req, err),
+            }
+        }
+        self.enqueue(
+            model,
+            priority,
+            Queued { req: sub.req, rows: sub.rows, key: sub.key, since: now, retry: Retry::First },
+        );
+    }
+
+    fn enqueue(&mut self, model: ModelId, priority: Priority, q: Queued) {
+        let s = &mut self.slots[model];
+        if matches!(s.state, SlotState::Failed { .. }) {
+            s.state = SlotState::Unloaded;
+        }
+        if matches!(s.state, SlotState::Unloaded) && !s.wants_load() {
+            s.device_index = 0;
+        }
+        s.queue.push(priority, q);
+    }
+
+    fn on_load(&mut self, now: Instant, req: RequestId, model: ModelId) {
+        self.supersede_unload(model);
+        if let Some(err) = self.unavailable(now, model) {
+            return self.refuse(req, err);
         }
         let s = &mut self.slots[model];
-        let closed = s.closed_to_new_leases();
-        match &mut s.state {
-            // Waits for the pending unload, then reloads (see `on_unload_finished`).
-            SlotState::Ready { .. } if closed => s.waiters.push(waiter),
-            SlotState::Ready { leases, .. } => {
-                if let slot::Waiter::Lease(req) = waiter {
-                    *leases += 1;
-                    self.push(Action::Grant { req, model });
-                } else {
-                    self.push(Action::Reply { req: waiter.req(), result: Ok(()) });
+        match s.state {
+            SlotState::Ready { .. } => self.push(Action::Reply { req, result: Ok(()) }),
+            _ => {
+                if matches!(s.state, SlotState::Failed { .. }) {
+                    s.state = SlotState::Unloaded;
                 }
-            }
-            SlotState::Queued { .. } | SlotState::Loading { .. } | SlotState::Unloading { .. } => {
-                s.waiters.push(waiter);
-            }
-            SlotState::Failed { until, error, .. } if *until > now => {
-                let wait = *until - now;
-                let err = SnoozeError::new(
-                    ErrorKind::ModelFailed,
-                    format!(
-                        "model '{}' failed to load and is backing off for {:.1}s more: {error}",
-                        s.policy.name,
-                        wait.as_secs_f64()
-                    ),
-                )
-                .retry_after(wait);
-                self.push(Action::Reply { req: waiter.req(), result: Err(err) });
-            }
-            SlotState::Unloaded | SlotState::Failed { .. } => {
-                s.waiters.push(waiter);
-                self.enqueue(model, 0);
+                if matches!(s.state, SlotState::Unloaded) && !s.wants_load() {
+                    s.device_index = 0;
+                }
+                s.load_waiters.push((req, now));
             }
         }
     }
 
-    fn enqueue(&mut self, model: ModelId, device_index: usize) {
-        let device = self.slots[model].policy.devices[device_index].clone();
-        self.slots[model].state = SlotState::Queued { device_index };
-        self.queues.entry(device).or_default().push_back(model);
-    }
-
-    fn on_unload(&mut self, now: Instant, req: RequestId, model: ModelId) {
+    fn on_unload(&mut self, req: RequestId, model: ModelId) {
         let s = &mut self.slots[model];
         match &s.state {
             SlotState::Unloaded | SlotState::Failed { .. } => {
-                self.push(Action::Reply { req, result: Ok(()) });
+                self.push(Action::Reply { req, result: Ok(()) })
             }
-            SlotState::Ready { leases: 0, .. } => {
+            SlotState::Ready { .. } if s.running == 0 => {
                 s.unload_waiters.push(req);
                 self.begin_unload(model, UnloadReason::Requested);
             }
+            SlotState::Unloading { .. } => s.unload_waiters.push(req),
+            // Runs in flight (or a load) end first; meanwhile nothing more is dispatched.
             _ => {
                 s.unload_requested = true;
                 s.unload_waiters.push(req);
             }
         }
-        let _ = now;
     }
 
-    fn on_release(&mut self, now: Instant, model: ModelId) {
-        let s = &mut self.slots[model];
-        let SlotState::Ready { leases, last_used, .. } = &mut s.state else {
-            debug_assert!(false, "release of a model that is not ready");
-            return;
-        };
-        *leases = leases.saturating_sub(1);
-        *last_used = now;
-        if *leases > 0 {
-            return;
+    fn on_cancel(&mut self, req: RequestId) {
+        self.in_flight.remove(&req);
+        for s in &mut self.slots {
+            s.queue.remove(req);
+            s.load_waiters.retain(|(r, _)| *r != req);
+            s.unload_waiters.retain(|r| *r != req);
         }
-        if s.poisoned.is_some() {
-            self.begin_unload(model, UnloadReason::Failed);
-        } else if s.unload_requested {
-            self.begin_unload(model, UnloadReason::Requested);
-        } else if self.shutting_down {
-            self.begin_unload(model, UnloadReason::Shutdown);
-        } else if s.policy.keep_alive == KeepAlive::For(Duration::ZERO) && !s.policy.pinned {
-            self.begin_unload(model, UnloadReason::Idle);
+    }
+
+    fn on_collect(
+        &mut self,
+        req: RequestId,
+        except: Option<ModelId>,
+        include_pinned: bool,
+        reason: UnloadReason,
+    ) {
+        let victims: Vec<ModelId> = (0..self.slots.len())
+            .filter(|&id| Some(id) != except)
+            .filter(|&id| {
+                self.slots[id].idle().is_some() && (include_pinned || !self.slots[id].policy.pinned)
+            })
+            .collect();
+        for &v in &victims {
+            self.begin_unload(v, reason);
+        }
+        if victims.is_empty() {
+            self.push(Action::Collected { req, models: Vec::new() });
+        } else {
+            self.collections.push(Collection { req, pending: victims.clone(), models: victims });
         }
     }
 
@@ -390,75 +516,155 @@ impl Scheduler {
             return;
         };
         match result {
-            Ok(measured) => {
-                let s = &mut self.slots[model];
-                s.loads += 1;
-                s.failures = 0;
-                s.last_load = Some(took);
-                s.last_error = None;
-                if let Some(m) = measured.steady {
-                    s.measured_bytes = Some(m);
-                    s.learned_bytes = Some(m);
-                }
-                if let Some(p) = measured.peak {
-                    s.measured_peak_bytes = Some(p);
-                    s.learned_peak_bytes = Some(p);
-                }
-                let footprint = s.resident_bytes();
-                let mut leases = 0;
-                for w in std::mem::take(&mut s.waiters) {
-                    match w {
-                        slot::Waiter::Lease(req) => {
-                            leases += 1;
-                            self.actions.push(Action::Grant { req, model });
-                        }
-                        slot::Waiter::Load(req) => self.actions.push(Action::Reply { req, result: Ok(()) }),
-                    }
-                }
-                let s = &mut self.slots[model];
-                s.state = SlotState::Ready { device, leases, last_used: now, loaded_at: now, footprint };
-                if leases == 0 && (s.unload_requested || self.shutting_down) {
-                    let reason =
-                        if self.shutting_down { UnloadReason::Shutdown } else { UnloadReason::Requested };
-                    self.begin_unload(model, reason);
-                }
-            }
+            Ok(measured) => self.became_ready(now, model, device, measured, took),
             Err(LoadError::OutOfMemory(msg)) => {
                 // Verified OOM: make room by evicting one more idle model and retry.
-                if let Some(victim) = self.lru_idle(&device, model, now, true).first().copied() {
+                self.slots[model].state = SlotState::Unloaded;
+                if let Some(victim) = self.lru_idle(&device, model, now).first().copied() {
+                    self.slots[model].evicted_for += self.slots[victim].resident_bytes();
                     self.begin_unload(victim, UnloadReason::Evicted);
-                    let index = self.device_index(model, &device);
-                    self.slots[model].state = SlotState::Queued { device_index: index };
-                    self.queues.entry(device).or_default().push_front(model);
                 } else {
-                    let s = &mut self.slots[model];
                     let text = format!(
                         "model '{}' ran out of memory while loading on {device} and no idle model is left to evict: {msg}",
-                        s.policy.name
+                        self.slots[model].policy.name
                     );
-                    s.last_error = Some(text.clone());
-                    s.state = SlotState::Unloaded;
+                    self.slots[model].last_error = Some(text.clone());
                     let err = SnoozeError::new(ErrorKind::InsufficientMemory, text)
                         .retry_after(self.config.retry_after);
-                    self.fail_waiters(model, err);
-                    self.answer_unload_waiters(model);
+                    self.fail_all(model, err);
                 }
             }
             Err(LoadError::Failed(msg)) => {
-                self.slots[model].failures += 1;
-                let backoff = self.backoff(self.slots[model].failures);
                 let s = &mut self.slots[model];
+                s.failures += 1;
                 s.last_error = Some(msg.clone());
                 s.last_load = Some(took);
+                let backoff = self.backoff(self.slots[model].failures);
+                let s = &mut self.slots[model];
                 s.state = SlotState::Failed { until: now + backoff, error: msg.clone() };
                 let err = SnoozeError::new(
                     ErrorKind::ModelFailed,
                     format!("model '{}' failed to load: {msg}", s.policy.name),
                 );
-                self.fail_waiters(model, err);
-                self.answer_unload_waiters(model);
+                self.fail_all(model, err);
             }
         }
+    }
+
+    fn became_ready(
+        &mut self,
+        now: Instant,
+        model: ModelId,
+        device: Device,
+        measured: LoadMeasurement,
+        took: Duration,
+    ) {
+        let s = &mut self.slots[model];
+        s.loads += 1;
+        s.failures = 0;
+        s.evicted_for = 0;
+        s.last_load = Some(took);
+        s.last_error = None;
+        if let Some(m) = measured.steady {
+            s.measured_bytes = Some(m);
+            s.learned_bytes = Some(m);
+        }
+        if let Some(p) = measured.peak {
+            s.measured_peak_bytes = Some(p);
+            s.learned_peak_bytes = Some(p);
+        }
+        let footprint = s.resident_bytes();
+        s.state = SlotState::Ready { device, last_used: now, loaded_at: now, footprint };
+        // It serves what waited for it before anything may evict it.
+        s.owed = s.queue.len();
+        for (req, _) in std::mem::take(&mut s.load_waiters) {
+            self.actions.push(Action::Reply { req, result: Ok(()) });
+        }
+        self.maybe_unload_after_work(model);
+    }
+
+    fn on_unload_finished(&mut self, now: Instant, model: ModelId) {
+        let s = &mut self.slots[model];
+        let reason = match &s.state {
+            SlotState::Unloading { reason, .. } => Some(*reason),
+            _ => None,
+        };
+        debug_assert!(reason.is_some(), "unload finished for a model that was not unloading");
+        s.state = SlotState::Unloaded;
+        s.draining = false;
+        s.owed = 0;
+        s.device_index = 0;
+        self.answer_unload_waiters(model);
+        for c in &mut self.collections {
+            c.pending.retain(|m| *m != model);
+        }
+        let (done, open): (Vec<Collection>, Vec<Collection>) =
+            std::mem::take(&mut self.collections).into_iter().partition(|c| c.pending.is_empty());
+        self.collections = open;
+        for c in done {
+            self.push(Action::Collected { req: c.req, models: c.models });
+        }
+        if let Some(why) = self.slots[model].poisoned.take() {
+            // Like a failed load: back off, so a model that panics on every request is
+            // not reloaded for every request.
+            let backoff = self.backoff(self.slots[model].panics);
+            let s = &mut self.slots[model];
+            s.state = SlotState::Failed { until: now + backoff, error: why.clone() };
+            let err = SnoozeError::new(
+                ErrorKind::ModelFailed,
+                format!(
+                    "model '{}' was unloaded after it failed ({why}); it reloads in {:.1}s",
+                    s.policy.name,
+                    backoff.as_secs_f64()
+                ),
+            )
+            .retry_after(backoff);
+            self.fail_all(model, err);
+            return;
+        }
+        if reason != Some(UnloadReason::Failed) {
+            // Left memory normally: earlier panics no longer count toward the backoff.
+            self.slots[model].panics = 0;
+        }
+        if self.shutting_down {
+            let err = self.shutting_down_error();
+            self.fail_all(model, err);
+        }
+    }
+
+    fn on_shutdown(&mut self) {
+        self.shutting_down = true;
+        let err = self.shutting_down_error();
+        for id in 0..self.slots.len() {
+            if !self.slots[id].is_ready() {
+                self.fail_all(id, err.clone());
+            } else {
+                let waiting: Vec<Queued> = self.slots[id].queue.drain();
+                for q in waiting {
+                    self.refuse(q.req, err.clone());
+                }
+            }
+            if self.slots[id].idle().is_some() {
+                self.begin_unload(id, UnloadReason::Shutdown);
+            }
+        }
+    }
+
+    /// Refuses everything waiting for the model (requests and loads) and answers its
+    /// pending unloads: the model is not going to be in memory for them.
+    fn fail_all(&mut self, model: ModelId, err: SnoozeError) {
+        let s = &mut self.slots[model];
+        let waiting: Vec<RequestId> = s
+            .queue
+            .drain()
+            .into_iter()
+            .map(|q| q.req)
+            .chain(std::mem::take(&mut s.load_waiters).into_iter().map(|(r, _)| r))
+            .collect();
+        for req in waiting {
+            self.actions.push(Action::Reply { req, result: Err(err.clone()) });
+        }
+        self.answer_unload_waiters(model);
     }
 
     /// First backoff, doubled per consecutive failure, capped.
@@ -494,94 +700,38 @@ impl Scheduler {
         for req in std::mem::take(&mut s.unload_waiters) {
             self.actions.push(Action::Reply { req, result: Err(err.clone()) });
         }
-        // Requests that queued behind the unload can be served now.
-        if let SlotState::Ready { leases, .. } = &mut s.state {
-            let mut granted = 0;
-            for w in std::mem::take(&mut s.waiters) {
-                match w {
-                    slot::Waiter::Lease(req) => {
-                        granted += 1;
-                        self.actions.push(Action::Grant { req, model });
-                    }
-                    slot::Waiter::Load(req) => self.actions.push(Action::Reply { req, result: Ok(()) }),
-                }
-            }
-            *leases += granted;
-        }
     }
 
-    fn on_unload_finished(&mut self, now: Instant, model: ModelId) {
-        let s = &mut self.slots[model];
-        let reason = match &s.state {
-            SlotState::Unloading { reason, .. } => Some(*reason),
-            _ => None,
-        };
-        debug_assert!(reason.is_some(), "unload finished for a model that was not unloading");
-        s.state = SlotState::Unloaded;
-        self.answer_unload_waiters(model);
-        if let Some(why) = self.slots[model].poisoned.take() {
-            // Like a failed load: back off, so a model that panics on every request is
-            // not reloaded for every request.
-            let backoff = self.backoff(self.slots[model].panics);
-            let s = &mut self.slots[model];
-            s.state = SlotState::Failed { until: now + backoff, error: why.clone() };
-            let err = SnoozeError::new(
-                ErrorKind::ModelFailed,
-                format!(
-                    "model '{}' was unloaded after it failed ({why}); it reloads in {:.1}s",
-                    s.policy.name,
-                    backoff.as_secs_f64()
-                ),
-            )
-            .retry_after(backoff);
-            self.fail_waiters(model, err);
+    /// Once nothing runs and nothing waits, a pending unload, a panic, shutdown or a
+    /// zero keep-alive takes the model out of memory.
+    fn maybe_unload_after_work(&mut self, model: ModelId) {
+        let s = &self.slots[model];
+        if !s.is_ready() || s.running > 0 {
             return;
         }
-        if reason != Some(UnloadReason::Failed) {
-            // Left memory normally: earlier panics no longer count toward the backoff.
-            self.slots[model].panics = 0;
+        if s.poisoned.is_some() {
+            return self.begin_unload(model, UnloadReason::Failed);
         }
-        if !self.slots[model].waiters.is_empty() {
-            if self.shutting_down {
-                let err = SnoozeError::new(ErrorKind::ShuttingDown, "the server is shutting down")
-                    .retry_after(self.config.retry_after);
-                self.fail_waiters(model, err);
-            } else {
-                self.enqueue(model, 0);
-            }
+        if s.unload_requested {
+            return self.begin_unload(model, UnloadReason::Requested);
         }
-    }
-
-    fn on_shutdown(&mut self) {
-        self.shutting_down = true;
-        let err = SnoozeError::new(ErrorKind::ShuttingDown, "the server is shutting down")
-            .retry_after(self.config.retry_after);
-        for queue in std::mem::take(&mut self.queues).into_values() {
-            for model in queue {
-                self.slots[model].state = SlotState::Unloaded;
-                self.fail_waiters(model, err.clone());
-                self.answer_unload_waiters(model);
-            }
+        if !s.queue.is_empty() {
+            return;
         }
-        for id in 0..self.slots.len() {
-            if self.slots[id].idle().is_some() {
-                self.begin_unload(id, UnloadReason::Shutdown);
-            }
+        if self.shutting_down {
+            self.begin_unload(model, UnloadReason::Shutdown);
+        } else if s.policy.keep_alive == KeepAlive::For(Duration::ZERO) && !s.policy.pinned {
+            self.begin_unload(model, UnloadReason::Idle);
         }
     }
 
-    fn fail_waiters(&mut self, model: ModelId, err: SnoozeError) {
-        for w in std::mem::take(&mut self.slots[model].waiters) {
-            self.actions.push(Action::Reply { req: w.req(), result: Err(err.clone()) });
-        }
-    }
-
-    /// Moves a Ready model with no leases to Unloading.
+    /// Moves a Ready model with nothing running to Unloading.
     fn begin_unload(&mut self, model: ModelId, reason: UnloadReason) {
         let s = &mut self.slots[model];
-        let SlotState::Ready { device, leases: 0, footprint, .. } = &s.state else {
+        let SlotState::Ready { device, footprint, .. } = &s.state else { return };
+        if s.running > 0 {
             return;
-        };
+        }
         let (device, bytes) = (device.clone(), *footprint);
         if reason == UnloadReason::Evicted {
             s.evictions += 1;
@@ -594,65 +744,38 @@ impl Scheduler {
         self.slots[model].policy.devices.iter().position(|d| d == device).unwrap_or(0)
     }
 
-    /// Starts what can start: per device, the head of the queue loads, evicts or is refused.
+    /// Starts what can start: loads (and the evictions they need), then batches.
     fn pump(&mut self, now: Instant) {
-        // A refusal may move a model to another device's queue: go round until quiet.
-        while self.pump_once(now) {}
+        self.wake = None;
+        self.plan_loads(now);
+        self.dispatch(now);
     }
 
-    /// Returns true if a model moved to another device's queue.
-    fn pump_once(&mut self, now: Instant) -> bool {
-        let mut moved = false;
-        let devices: Vec<Device> = self.queues.keys().cloned().collect();
-        for device in devices {
-            loop {
-                let busy = self.slots.iter().any(|s| s.busy_on(&device));
-                let Some(&model) = self.queues.get(&device).and_then(|q| q.front()) else { break };
-                if busy {
-                    break;
-                }
-                match self.plan(model, &device, now) {
-                    Plan::Load => {
-                        self.pop(&device);
-                        self.slots[model].evicted_for = 0;
-                        let reserved = self.slots[model].admission_bytes().unwrap_or(0);
-                        self.slots[model].state = SlotState::Loading { device: device.clone(), reserved };
-                        self.push(Action::StartLoad { model, device: device.clone() });
-                        break;
-                    }
-                    Plan::Evict(victims) => {
-                        for v in victims {
-                            self.slots[model].evicted_for += self.slots[v].resident_bytes();
-                            self.begin_unload(v, UnloadReason::Evicted);
-                        }
-                        break;
-                    }
-                    Plan::Refuse(err) => {
-                        self.pop(&device);
-                        self.slots[model].evicted_for = 0;
-                        let next = self.device_index(model, &device) + 1;
-                        let s = &mut self.slots[model];
-                        if next < s.policy.devices.len() && s.policy.cpu_fallback {
-                            tracing::info!(model = %s.policy.name, from = %device, to = %s.policy.devices[next], reason = %err, "falling back to the next device");
-                            self.enqueue(model, next);
-                            moved = true;
-                        } else {
-                            s.state = SlotState::Unloaded;
-                            s.last_error = Some(err.message.clone());
-                            self.fail_waiters(model, err);
-                            self.answer_unload_waiters(model);
-                        }
-                    }
-                }
-            }
+    /// What a model's next request can expect to wait: the requests ahead of it times
+    /// the measured time per request, plus the last load time if it must load.
+    pub fn expected_wait(&self, model: ModelId) -> Duration {
+        let s = &self.slots[model];
+        let per = s.per_request.unwrap_or(Duration::from_millis(10));
+        let ahead = u32::try_from(s.queue.len()).unwrap_or(u32::MAX).saturating_add(1);
+        let mut wait = per.saturating_mul(ahead) / s.policy.max_concurrency.max(1);
+        if !s.is_ready() {
+            wait += s.last_load.unwrap_or(Duration::from_secs(1));
         }
-        moved
+        wait
     }
 
-    fn pop(&mut self, device: &Device) {
-        if let Some(q) = self.queues.get_mut(device) {
-            q.pop_front();
-        }
+    fn queue_full_error(&self, model: ModelId) -> SnoozeError {
+        let s = &self.slots[model];
+        refusal::queue_full(s.name(), s.policy.max_queue, self.expected_wait(model))
+    }
+
+    fn queue_timeout_error(&self, model: ModelId) -> SnoozeError {
+        refusal::queue_timeout(self.slots[model].name(), self.config.queue_timeout, self.expected_wait(model))
+    }
+
+    fn shutting_down_error(&self) -> SnoozeError {
+        SnoozeError::new(ErrorKind::ShuttingDown, "the server is shutting down")
+            .retry_after(self.config.retry_after)
     }
 
     /// The admin view of every model.

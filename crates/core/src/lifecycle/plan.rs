@@ -1,190 +1,305 @@
-//! Admission and eviction planning (rules 3–5): does the model fit, whom to evict, or
-//! why to refuse.
+//! Loads (rules 3–5 and 10): which waiting model loads next on a device, whether it
+//! fits, whom to evict for it — or what to wait for. A decision is typed first; only a
+//! refusal is turned into a sentence (`refusal`).
+//!
+//! Order of loads: highest priority waiting first, then longest waiting. Eviction
+//! candidates, from first to last resort: idle models with nothing queued (least
+//! recently used first); models with queued work, once the waiting model has waited
+//! `max_swap_delay` (a swap is due: they stop taking work and are evicted when their
+//! runs end). Never evicted: pinned models, models still serving the requests that
+//! waited for their load, models younger than their `min_residency`.
 
-use std::time::{Duration, Instant};
+use std::{collections::BTreeSet, time::Instant};
 
-use crate::{
-    backend::Device,
-    error::{ErrorKind, SnoozeError},
-    pressure::PressureLevel,
-    units::format_bytes as fb,
-};
+use crate::{backend::Device, pressure::PressureLevel};
 
-use super::{ModelId, Scheduler, SlotState};
+use super::{refusal, Action, ModelId, Scheduler, SlotState, UnloadReason};
 
 pub(super) enum Plan {
     Load,
-    /// Unload these first; the model stays at the head of the queue meanwhile.
+    /// Unload these first; the model keeps its turn meanwhile.
     Evict(Vec<ModelId>),
-    Refuse(SnoozeError),
+    Wait(Wait),
+    Refuse(crate::error::SnoozeError),
+}
+
+/// What a load that cannot start yet waits for.
+pub(super) enum Wait {
+    /// These models stop taking work; once their runs end they are evicted.
+    Drain(Vec<ModelId>),
+    /// Something changes by itself at this instant (a queue's protection ends, a model
+    /// grows old enough to evict).
+    Until(Instant),
+    /// A run, a load or the memory picture must change first.
+    Events,
+}
+
+/// How a resident model stands as an eviction candidate.
+enum Standing {
+    Evictable,
+    /// Running now; can be drained.
+    Running,
+    /// Not before this instant.
+    Until(Instant),
+    /// Serving the requests that waited for its load.
+    Owed,
+}
+
+/// The memory picture of a device for one waiting model.
+struct Room {
+    need: Option<u64>,
+    headroom: u64,
+    budget_free: u64,
+    probe_free: u64,
+    resident: usize,
+    cap: usize,
+    critical: bool,
+    already_paid: u64,
+}
+
+impl Room {
+    /// Whether the model fits once `freed` bytes of `evicted` models are gone.
+    fn fits(&self, freed: u64, evicted: usize) -> bool {
+        let paid = !self.critical || self.need.is_none_or(|n| freed + self.already_paid >= n);
+        let count_ok = self.cap == 0 || self.resident.saturating_sub(evicted) < self.cap;
+        let mem_ok = self.need.is_none_or(|n| {
+            let n = n.saturating_add(self.headroom);
+            n <= self.budget_free.saturating_add(freed) && n <= self.probe_free.saturating_add(freed)
+        });
+        paid && count_ok && mem_ok
+    }
 }
 
 impl Scheduler {
-    pub(super) fn plan(&self, model: ModelId, device: &Device, now: Instant) -> Plan {
-        let slot = &self.slots[model];
-        let name = slot.name();
-        let headroom = self.config.headroom;
-        let budget = self.budget(device);
-        let accounted = self.accounted(device);
-        let budget_free = budget.saturating_sub(accounted);
-        let probe_free = self.available.get(device).copied().unwrap_or(u64::MAX);
+    /// Per device: if it is quiet, the next waiting model loads, evicts, or waits; one
+    /// that can never fit is refused (or moves to its next device).
+    pub(super) fn plan_loads(&mut self, now: Instant) {
+        for s in &mut self.slots {
+            s.draining = false;
+        }
+        loop {
+            let devices: BTreeSet<Device> = self
+                .slots
+                .iter()
+                .filter(|s| matches!(s.state, SlotState::Unloaded) && s.wants_load())
+                .filter_map(|s| s.device().cloned())
+                .collect();
+            let mut moved = false;
+            for device in devices {
+                moved |= self.plan_device(now, &device);
+            }
+            if !moved {
+                return;
+            }
+        }
+    }
+
+    /// Returns true if a model moved to another device.
+    fn plan_device(&mut self, now: Instant, device: &Device) -> bool {
+        loop {
+            if self.slots.iter().any(|s| s.busy_on(device)) {
+                return false;
+            }
+            let Some(model) = self.next_to_load(device) else { return false };
+            match self.plan(model, device, now) {
+                Plan::Load => {
+                    let reserved = self.slots[model].admission_bytes().unwrap_or(0);
+                    self.slots[model].state = SlotState::Loading { device: device.clone(), reserved };
+                    self.push(Action::StartLoad { model, device: device.clone() });
+                    return false;
+                }
+                Plan::Evict(victims) => {
+                    for v in victims {
+                        self.slots[model].evicted_for += self.slots[v].resident_bytes();
+                        self.begin_unload(v, UnloadReason::Evicted);
+                    }
+                    return false;
+                }
+                Plan::Wait(wait) => {
+                    // What cannot start here now may start on the next device at once.
+                    let next = self.device_index(model, device) + 1;
+                    let s = &mut self.slots[model];
+                    if next < s.policy.devices.len() && s.policy.cpu_fallback {
+                        tracing::info!(model = %s.policy.name, from = %device, to = %s.policy.devices[next], "no room now: falling back to the next device");
+                        s.device_index = next;
+                        return true;
+                    }
+                    match wait {
+                        Wait::Drain(models) => models.into_iter().for_each(|m| self.slots[m].draining = true),
+                        Wait::Until(t) => self.wake = Some(self.wake.map_or(t, |w| w.min(t))),
+                        Wait::Events => {}
+                    }
+                    return false;
+                }
+                Plan::Refuse(err) => {
+                    let next = self.device_index(model, device) + 1;
+                    let s = &mut self.slots[model];
+                    if next < s.policy.devices.len() && s.policy.cpu_fallback {
+                        tracing::info!(model = %s.policy.name, from = %device, to = %s.policy.devices[next], reason = %err, "falling back to the next device");
+                        s.device_index = next;
+                        return true;
+                    }
+                    s.last_error = Some(err.message.clone());
+                    s.evicted_for = 0;
+                    self.fail_all(model, err);
+                }
+            }
+        }
+    }
+
+    /// The waiting model that loads next on `device`: highest priority, then longest waiting.
+    fn next_to_load(&self, device: &Device) -> Option<ModelId> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| {
+                matches!(s.state, SlotState::Unloaded) && s.wants_load() && s.device() == Some(device)
+            })
+            .max_by_key(|(_, s)| {
+                let loads = (!s.load_waiters.is_empty()).then_some(super::Priority::Normal);
+                let top = s.queue.top().max(loads);
+                (top, std::cmp::Reverse(self.waiting_since(s)))
+            })
+            .map(|(id, _)| id)
+    }
+
+    fn waiting_since(&self, s: &super::ModelSlot) -> Option<Instant> {
+        s.queue.oldest().into_iter().chain(s.load_waiters.iter().map(|(_, t)| *t)).min()
+    }
+
+    fn room(&self, model: ModelId, device: &Device) -> Room {
         let resident = self
             .slots
             .iter()
             .filter(|s| matches!(s.state, SlotState::Loading { .. } | SlotState::Ready { .. }))
             .count();
-        let cap = self.config.max_loaded_models;
-        let need = slot.admission_bytes();
-
-        // Under critical pressure a load must be paid for by evictions (rule 8).
-        let critical = self.pressure >= PressureLevel::Critical;
-        let already_paid = slot.evicted_for;
-        let fits = |freed: u64, evicted: usize| {
-            let paid = !critical || need.is_none_or(|n| freed + already_paid >= n);
-            let count_ok = paid && (cap == 0 || resident - evicted < cap);
-            let mem_ok = need.is_none_or(|n| {
-                let n = n.saturating_add(headroom);
-                n <= budget_free.saturating_add(freed) && n <= probe_free.saturating_add(freed)
-            });
-            count_ok && mem_ok
-        };
-        if need.is_none() && fits(0, 0) {
-            tracing::warn!(model = name, "footprint cannot be determined: loading without the memory guard");
+        Room {
+            need: self.slots[model].admission_bytes(),
+            headroom: self.config.headroom,
+            budget_free: self.budget(device).saturating_sub(self.accounted(device)),
+            probe_free: self.available.get(device).copied().unwrap_or(u64::MAX),
+            resident,
+            cap: self.config.max_loaded_models,
+            critical: self.pressure >= PressureLevel::Critical,
+            already_paid: self.slots[model].evicted_for,
         }
-        if fits(0, 0) {
-            return Plan::Load;
-        }
-        let need_text =
-            |n: u64| format!("{} (footprint {} + headroom {})", fb(n + headroom), fb(n), fb(headroom));
-        let baseline = self.config.baselines.get(device).copied().unwrap_or(0);
-        if let Some(n) = need {
-            let pinned: u64 =
-                self.slots.iter().filter(|s| s.policy.pinned).filter_map(|s| s.held_on(device)).sum();
-            if n.saturating_add(headroom) > budget.saturating_sub(baseline + pinned) {
-                return Plan::Refuse(
-                    SnoozeError::new(
-                        ErrorKind::InsufficientMemory,
-                        format!(
-                            "model '{name}' needs {} on {device}, more than the budget can ever give it: \
-                             {} budget - {} server baseline - {} pinned models = {} free at best; \
-                             raise host_memory_limit or lower the model's memory",
-                            need_text(n),
-                            fb(budget),
-                            fb(baseline),
-                            fb(pinned),
-                            fb(budget.saturating_sub(baseline + pinned)),
-                        ),
-                    )
-                    .retry_after(self.config.retry_after),
-                );
-            }
-        }
-
-        let candidates = self.lru_idle(device, model, now, true);
-        let mut freed = 0;
-        let mut chosen = Vec::new();
-        let mut young_wait: Option<Duration> = None;
-        for c in candidates {
-            let s = &self.slots[c];
-            if let SlotState::Ready { loaded_at, .. } = s.state {
-                let old_at = loaded_at + s.policy.min_residency;
-                if old_at > now {
-                    young_wait = Some(young_wait.unwrap_or_default().max(old_at - now));
-                }
-            }
-            freed += s.resident_bytes();
-            chosen.push(c);
-            if fits(freed, chosen.len()) {
-                return match young_wait {
-                    None => Plan::Evict(chosen),
-                    // Evicting a model younger than min_residency would let two models that
-                    // cannot both fit evict each other on every request: wait it out instead.
-                    Some(wait) => Plan::Refuse(
-                        SnoozeError::new(
-                            ErrorKind::InsufficientMemory,
-                            format!(
-                                "model '{name}' needs {} on {device} but only {} is free, and making room \
-                                 would evict a model loaded less than its min_residency ago; retry in {:.1}s",
-                                need.map_or("a model slot".into(), need_text),
-                                fb(budget_free.min(probe_free)),
-                                wait.as_secs_f64()
-                            ),
-                        )
-                        .retry_after(wait.max(Duration::from_secs(1))),
-                    ),
-                };
-            }
-        }
-        let busy: Vec<String> = self
-            .slots
-            .iter()
-            .filter_map(|s| {
-                let held = s.held_on(device)?;
-                let why = if s.policy.pinned {
-                    "pinned"
-                } else if s.leases() > 0 {
-                    "serving requests"
-                } else {
-                    match s.state {
-                        SlotState::Loading { .. } => "loading",
-                        SlotState::Unloading { .. } => "unloading",
-                        _ => "idle",
-                    }
-                };
-                Some(format!("'{}' {} ({why})", s.name(), fb(held)))
-            })
-            .collect();
-        let what = match need {
-            _ if cap != 0 && resident >= cap => format!("a model slot (max_loaded_models = {cap})"),
-            Some(n) => need_text(n),
-            None => "memory".into(),
-        };
-        Plan::Refuse(
-            SnoozeError::new(
-                ErrorKind::InsufficientMemory,
-                format!(
-                    "model '{name}' needs {what} on {device} but only {} is free (budget {}, in use {}: \
-                     baseline {}{}{}) and nothing idle can be evicted{}; retry later",
-                    fb(budget_free.min(probe_free)),
-                    fb(budget),
-                    fb(accounted),
-                    fb(baseline),
-                    if busy.is_empty() { "" } else { ", " },
-                    busy.join(", "),
-                    if critical {
-                        " (memory pressure is critical: loads must be paid for by evictions)"
-                    } else {
-                        ""
-                    }
-                ),
-            )
-            .retry_after(self.config.retry_after),
-        )
     }
 
-    /// Idle, unpinned models on `device` other than `except`, least recently used first;
-    /// those past min_residency come before younger ones unless `young_last` is false.
-    pub(super) fn lru_idle(
+    pub(super) fn plan(&self, model: ModelId, device: &Device, now: Instant) -> Plan {
+        let room = self.room(model, device);
+        let baseline = self.config.baselines.get(device).copied().unwrap_or(0);
+        let pinned: u64 =
+            self.slots.iter().filter(|s| s.policy.pinned).filter_map(|s| s.held_on(device)).sum();
+        if let Some(n) = room.need {
+            let best = self.budget(device).saturating_sub(baseline + pinned);
+            if n.saturating_add(room.headroom) > best {
+                let name = self.slots[model].name();
+                return Plan::Refuse(refusal::never_fits(
+                    name,
+                    device,
+                    n,
+                    room.headroom,
+                    self.budget(device),
+                    baseline,
+                    pinned,
+                    self.config.retry_after,
+                ));
+            }
+        } else if room.fits(0, 0) {
+            tracing::warn!(
+                model = self.slots[model].name(),
+                "footprint cannot be determined: loading without the memory guard"
+            );
+        }
+        if room.fits(0, 0) {
+            return Plan::Load;
+        }
+        let overdue =
+            self.waiting_since(&self.slots[model]).is_some_and(|t| t + self.config.max_swap_delay <= now);
+        let mut freed = 0;
+        let mut chosen = Vec::new();
+        let mut drain = Vec::new();
+        let mut drain_bytes = 0;
+        let mut until: Option<Instant> = None;
+        for (id, standing) in self.candidates(device, model, now, overdue) {
+            let bytes = self.slots[id].resident_bytes();
+            match standing {
+                Standing::Evictable => {
+                    freed += bytes;
+                    chosen.push(id);
+                    if room.fits(freed, chosen.len()) {
+                        return Plan::Evict(chosen);
+                    }
+                }
+                Standing::Running if overdue => {
+                    drain_bytes += bytes;
+                    drain.push(id);
+                }
+                Standing::Running | Standing::Owed => {}
+                Standing::Until(t) => until = Some(until.map_or(t, |u| u.min(t))),
+            }
+        }
+        if !drain.is_empty() && room.fits(freed + drain_bytes, chosen.len() + drain.len()) {
+            // Start freeing what is idle now; the busy ones stop taking work meanwhile.
+            return if chosen.is_empty() { Plan::Wait(Wait::Drain(drain)) } else { Plan::Evict(chosen) };
+        }
+        if let Some(t) = until {
+            return Plan::Wait(Wait::Until(t));
+        }
+        Plan::Wait(Wait::Events)
+    }
+
+    /// Resident, unpinned models on `device` other than `except`, in eviction order:
+    /// evictable ones with nothing queued first, then least recently used.
+    fn candidates(
         &self,
         device: &Device,
         except: ModelId,
         now: Instant,
-        young_last: bool,
-    ) -> Vec<ModelId> {
-        let mut v: Vec<(bool, Instant, ModelId)> = self
+        overdue: bool,
+    ) -> Vec<(ModelId, Standing)> {
+        let swap_at = self.waiting_since(&self.slots[except]).map(|t| t + self.config.max_swap_delay);
+        let mut v: Vec<(bool, Instant, ModelId, Standing)> = Vec::new();
+        for (id, s) in self.slots.iter().enumerate() {
+            let SlotState::Ready { device: d, last_used, loaded_at, .. } = &s.state else { continue };
+            if id == except || s.policy.pinned || d != device {
+                continue;
+            }
+            let old_at = *loaded_at + s.policy.min_residency;
+            let standing = if old_at > now {
+                Standing::Until(old_at)
+            } else if s.owed.min(s.queue.len()) > 0 {
+                Standing::Owed
+            } else if s.running > 0 && overdue {
+                Standing::Running
+            } else if s.running > 0 {
+                Standing::Until(swap_at.unwrap_or(now))
+            } else if s.queue.is_empty() || overdue {
+                Standing::Evictable
+            } else {
+                Standing::Until(swap_at.unwrap_or(now))
+            };
+            v.push((!s.queue.is_empty(), *last_used, id, standing));
+        }
+        v.sort_by_key(|(queued, last_used, id, _)| (*queued, *last_used, *id));
+        v.into_iter().map(|(_, _, id, st)| (id, st)).collect()
+    }
+
+    /// Idle, unpinned models on `device` other than `except`, least recently used
+    /// first (for the out-of-memory retry of a load).
+    pub(super) fn lru_idle(&self, device: &Device, except: ModelId, now: Instant) -> Vec<ModelId> {
+        let mut v: Vec<(Instant, ModelId)> = self
             .slots
             .iter()
             .enumerate()
             .filter(|(id, s)| *id != except && !s.policy.pinned && s.device() == Some(device))
-            .filter_map(|(id, s)| match s.state {
-                SlotState::Ready { leases: 0, last_used, loaded_at, .. } => {
-                    let young = young_last && loaded_at + s.policy.min_residency > now;
-                    Some((young, last_used, id))
-                }
-                _ => None,
+            .filter_map(|(id, s)| s.idle().map(|t| (t, id)))
+            .filter(|(_, id)| match self.slots[*id].state {
+                SlotState::Ready { loaded_at, .. } => loaded_at + self.slots[*id].policy.min_residency <= now,
+                _ => false,
             })
             .collect();
         v.sort();
-        v.into_iter().map(|(_, _, id)| id).collect()
+        v.into_iter().map(|(_, id)| id).collect()
     }
 }

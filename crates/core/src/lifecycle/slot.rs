@@ -1,10 +1,14 @@
-//! One model's slot: its policy, where it is in its lifecycle, and its history.
+//! One model's slot: its policy, where it is in its lifecycle, what waits for it, and
+//! its history.
 
 use std::time::{Duration, Instant};
 
 use crate::{backend::Device, units::KeepAlive};
 
-use super::{RequestId, UnloadReason};
+use super::{
+    queue::{Priority, RequestQueue},
+    RequestId, UnloadReason,
+};
 
 /// Per-model settings the scheduler obeys.
 #[derive(Debug, Clone)]
@@ -20,9 +24,21 @@ pub struct ModelPolicy {
     pub estimate_steady: Option<u64>,
     pub estimate_peak: Option<u64>,
     pub keep_alive: KeepAlive,
+    /// Not evicted sooner than this after loading (its eviction waits, it is not refused).
     pub min_residency: Duration,
     /// Never evicted nor unloaded for idleness.
     pub pinned: bool,
+    /// Most requests waiting for this model; more get 429.
+    pub max_queue: usize,
+    /// Most rows one run takes: queued requests are merged up to it, larger ones run in
+    /// micro-batches of it. 1 = no batching.
+    pub max_batch_size: u32,
+    /// How long a batch that is not full may wait for more requests (0 = never wait).
+    pub batch_delay: Duration,
+    /// Runs of this model at once.
+    pub max_concurrency: u32,
+    /// The priority of requests that do not name one.
+    pub priority: Priority,
 }
 
 impl ModelPolicy {
@@ -36,24 +52,13 @@ impl ModelPolicy {
             estimate_steady: None,
             estimate_peak: None,
             keep_alive: KeepAlive::For(Duration::from_secs(300)),
-            min_residency: Duration::from_secs(10),
+            min_residency: Duration::ZERO,
             pinned: false,
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Waiter {
-    /// Wants a lease.
-    Lease(RequestId),
-    /// Wants the model loaded, no lease.
-    Load(RequestId),
-}
-
-impl Waiter {
-    pub(super) fn req(self) -> RequestId {
-        match self {
-            Waiter::Lease(r) | Waiter::Load(r) => r,
+            max_queue: 256,
+            max_batch_size: 32,
+            batch_delay: Duration::ZERO,
+            max_concurrency: 1,
+            priority: Priority::Normal,
         }
     }
 }
@@ -61,10 +66,6 @@ impl Waiter {
 #[derive(Debug, Clone, PartialEq)]
 pub enum SlotState {
     Unloaded,
-    /// Waiting in a device queue for its turn (or for evictions to finish).
-    Queued {
-        device_index: usize,
-    },
     /// `reserved`: bytes held against the budget while the load runs (its peak).
     Loading {
         device: Device,
@@ -72,7 +73,6 @@ pub enum SlotState {
     },
     Ready {
         device: Device,
-        leases: u32,
         last_used: Instant,
         loaded_at: Instant,
         footprint: u64,
@@ -82,7 +82,7 @@ pub enum SlotState {
         footprint: u64,
         reason: UnloadReason,
     },
-    /// The last load failed (not for memory); refused until `until`.
+    /// The last load failed (not for memory), or the model panicked; refused until `until`.
     Failed {
         until: Instant,
         error: String,
@@ -104,16 +104,31 @@ pub enum StateName {
 pub struct ModelSlot {
     pub policy: ModelPolicy,
     pub state: SlotState,
-    pub(super) waiters: Vec<Waiter>,
+    /// Requests waiting to run.
+    pub(super) queue: RequestQueue,
+    /// Loads asked for without a request (repository API, preload), and since when.
+    pub(super) load_waiters: Vec<(RequestId, Instant)>,
     pub(super) unload_waiters: Vec<RequestId>,
-    /// An unload was asked for while requests held the model: no new lease is granted
+    /// An unload was asked for while requests ran: nothing more is dispatched to it
     /// until it is done (new requests wait, then reload it).
     pub(super) unload_requested: bool,
-    /// The backend panicked during an inference: no new lease is granted, the model is
-    /// unloaded once its leases end and then backs off like a failed load.
+    /// The backend panicked during an inference: nothing more is dispatched, the model
+    /// is unloaded once its runs end and then backs off like a failed load.
     pub(super) poisoned: Option<String>,
     /// Panics since the model last served and left memory normally; sets the backoff.
     pub(super) panics: u32,
+    /// Batches running now.
+    pub(super) running: u32,
+    /// Chosen to make room for a model that waited past `max_swap_delay`: nothing more
+    /// is dispatched, so its runs end and it can be evicted.
+    pub(super) draining: bool,
+    /// Requests that were waiting when it became ready: it serves them before it may be
+    /// evicted.
+    pub(super) owed: usize,
+    /// Index in `policy.devices` of the device it loads to next.
+    pub(super) device_index: usize,
+    /// Bytes evicted to make room for this model's pending load.
+    pub(super) evicted_for: u64,
     /// Measured on the last load of this process.
     pub measured_bytes: Option<u64>,
     pub measured_peak_bytes: Option<u64>,
@@ -123,10 +138,10 @@ pub struct ModelSlot {
     pub loads: u64,
     pub evictions: u64,
     pub(super) failures: u32,
-    /// Bytes evicted to make room for this model's pending load.
-    pub(super) evicted_for: u64,
     pub last_load: Option<Duration>,
     pub last_error: Option<String>,
+    /// Moving average of a request's share of its batch's run time.
+    pub(super) per_request: Option<Duration>,
 }
 
 impl ModelSlot {
@@ -134,11 +149,17 @@ impl ModelSlot {
         ModelSlot {
             policy,
             state: SlotState::Unloaded,
-            waiters: Vec::new(),
+            queue: RequestQueue::default(),
+            load_waiters: Vec::new(),
             unload_waiters: Vec::new(),
             unload_requested: false,
             poisoned: None,
             panics: 0,
+            running: 0,
+            draining: false,
+            owed: 0,
+            device_index: 0,
+            evicted_for: 0,
             measured_bytes: None,
             measured_peak_bytes: None,
             learned_bytes: None,
@@ -146,9 +167,9 @@ impl ModelSlot {
             loads: 0,
             evictions: 0,
             failures: 0,
-            evicted_for: 0,
             last_load: None,
             last_error: None,
+            per_request: None,
         }
     }
 
@@ -179,21 +200,27 @@ impl ModelSlot {
 
     pub fn state_name(&self) -> StateName {
         match self.state {
+            SlotState::Unloaded if self.wants_load() => StateName::Loading,
             SlotState::Unloaded => StateName::Unloaded,
-            SlotState::Queued { .. } | SlotState::Loading { .. } => StateName::Loading,
+            SlotState::Loading { .. } => StateName::Loading,
             SlotState::Ready { .. } => StateName::Ready,
             SlotState::Unloading { .. } => StateName::Unloading,
             SlotState::Failed { .. } => StateName::Failed,
         }
     }
 
-    /// The device the model is on (or loading to).
+    /// Requests or load calls wait for it.
+    pub(super) fn wants_load(&self) -> bool {
+        !self.queue.is_empty() || !self.load_waiters.is_empty()
+    }
+
+    /// The device the model is on (or loading to, or waiting to load to).
     pub fn device(&self) -> Option<&Device> {
         match &self.state {
             SlotState::Loading { device, .. }
             | SlotState::Ready { device, .. }
             | SlotState::Unloading { device, .. } => Some(device),
-            SlotState::Queued { device_index } => self.policy.devices.get(*device_index),
+            SlotState::Unloaded if self.wants_load() => self.policy.devices.get(self.device_index),
             SlotState::Unloaded | SlotState::Failed { .. } => None,
         }
     }
@@ -216,24 +243,33 @@ impl ModelSlot {
         matches!(&self.state, SlotState::Loading { device, .. } | SlotState::Unloading { device, .. } if device == on)
     }
 
-    /// `Some(last_used)` when ready with no leases.
+    pub fn is_ready(&self) -> bool {
+        matches!(self.state, SlotState::Ready { .. })
+    }
+
+    /// Ready, but nothing more may be dispatched to it.
+    pub(super) fn closed(&self) -> bool {
+        self.unload_requested || self.poisoned.is_some() || self.draining
+    }
+
+    /// `Some(last_used)` when ready with nothing running and nothing waiting.
     pub fn idle(&self) -> Option<Instant> {
         match self.state {
-            SlotState::Ready { leases: 0, last_used, .. } => Some(last_used),
+            SlotState::Ready { last_used, .. } if self.running == 0 && self.queue.is_empty() => {
+                Some(last_used)
+            }
             _ => None,
         }
     }
 
+    /// Batches running now.
     pub fn leases(&self) -> u32 {
-        match self.state {
-            SlotState::Ready { leases, .. } => leases,
-            _ => 0,
-        }
+        self.running
     }
 
-    /// Ready, but a pending unload or a panic means no new lease may be granted.
-    pub(super) fn closed_to_new_leases(&self) -> bool {
-        self.unload_requested || self.poisoned.is_some()
+    /// Requests waiting now.
+    pub fn queued(&self) -> usize {
+        self.queue.len()
     }
 
     /// When keep-alive will unload it, if it is idle, not pinned and keep-alive is finite.
@@ -259,7 +295,8 @@ impl ModelSlot {
             footprint_peak_estimated_bytes: self.policy.memory.or(self.policy.estimate_peak),
             footprint_measured_bytes: self.measured_bytes.or(self.learned_bytes),
             footprint_peak_measured_bytes: self.measured_peak_bytes.or(self.learned_peak_bytes),
-            leases: self.leases(),
+            leases: self.running,
+            queued: Priority::ALL.map(|p| self.queue.len_at(p)),
             last_used_ago: last_used.map(ago),
             loaded_ago: loaded_at.map(ago),
             unload_in: self.idle_deadline().map(|d| d.saturating_duration_since(now)),
@@ -283,7 +320,10 @@ pub struct ModelStatus {
     pub footprint_peak_estimated_bytes: Option<u64>,
     pub footprint_measured_bytes: Option<u64>,
     pub footprint_peak_measured_bytes: Option<u64>,
+    /// Batches running now.
     pub leases: u32,
+    /// Requests waiting, by priority (low, normal, high).
+    pub queued: [usize; 3],
     pub last_used_ago: Option<Duration>,
     pub loaded_ago: Option<Duration>,
     pub unload_in: Option<Duration>,

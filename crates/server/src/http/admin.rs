@@ -48,6 +48,7 @@ pub fn model_json(s: &ModelStatus, backend: &str, now: SystemTime) -> serde_json
         "footprint_peak_estimated_bytes": s.footprint_peak_estimated_bytes,
         "footprint_peak_measured_bytes": s.footprint_peak_measured_bytes,
         "leases": s.leases,
+        "queued": {"high": s.queued[2], "normal": s.queued[1], "low": s.queued[0]},
         "last_used": before(s.last_used_ago),
         "loaded_at": before(s.loaded_ago),
         "unload_at": after(s.unload_in),

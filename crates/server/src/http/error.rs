@@ -16,7 +16,7 @@ use axum::{
 use serde_json::{json, Value};
 use snooze_core::{ErrorKind, SnoozeError};
 
-/// `Retry-After` of a 503 that carries no better estimate.
+/// `Retry-After` of a 503 or 429 that carries no better estimate.
 const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(5);
 
 /// The one error type of every KServe and admin handler.
@@ -36,6 +36,7 @@ pub fn status_of(e: &SnoozeError) -> StatusCode {
         ErrorKind::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         ErrorKind::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
         ErrorKind::Conflict => StatusCode::CONFLICT,
+        ErrorKind::QueueFull => StatusCode::TOO_MANY_REQUESTS,
         ErrorKind::Overloaded | ErrorKind::InsufficientMemory | ErrorKind::ShuttingDown => {
             StatusCode::SERVICE_UNAVAILABLE
         }
@@ -56,7 +57,8 @@ pub fn error_response(e: &SnoozeError, body: Value) -> Response {
         tracing::warn!(status = status.as_u16(), code = e.kind.code(), error = %e.message, "request failed");
     }
     let mut resp = (status, Json(body)).into_response();
-    let after = e.retry_after.or((status == StatusCode::SERVICE_UNAVAILABLE).then_some(DEFAULT_RETRY_AFTER));
+    let refused = matches!(status, StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS);
+    let after = e.retry_after.or(refused.then_some(DEFAULT_RETRY_AFTER));
     let headers = resp.headers_mut();
     if let Some(after) = after {
         let secs = after.as_secs_f64().ceil().max(1.0) as u64;
@@ -82,9 +84,10 @@ pub fn openai_body(e: &SnoozeError, param: Option<&str>) -> Value {
         | ErrorKind::RequestTimeout
         | ErrorKind::Conflict => "invalid_request_error",
         ErrorKind::Unauthorized => "authentication_error",
-        ErrorKind::Overloaded | ErrorKind::InsufficientMemory | ErrorKind::ShuttingDown => {
-            "service_unavailable"
-        }
+        ErrorKind::Overloaded
+        | ErrorKind::InsufficientMemory
+        | ErrorKind::ShuttingDown
+        | ErrorKind::QueueFull => "service_unavailable",
         _ => "server_error",
     };
     json!({"error": {"message": e.message, "type": kind, "param": param, "code": e.kind.code()}})
@@ -107,6 +110,7 @@ fn code_of_status(status: StatusCode) -> &'static str {
         StatusCode::PAYLOAD_TOO_LARGE => "payload_too_large",
         StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported_media_type",
         StatusCode::SERVICE_UNAVAILABLE => "overloaded",
+        StatusCode::TOO_MANY_REQUESTS => "queue_full",
         s if s.is_client_error() => "invalid_request",
         _ => "internal_error",
     }

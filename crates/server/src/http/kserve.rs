@@ -187,6 +187,7 @@ async fn run_infer(
         check_text_lengths(state, &inputs)?;
     }
     let encoding = OutputEncoding::of(&req);
+    let priority = priority(headers, Some(&req.parameters))?;
     // What the request holds from here on: its tensors and the copy kept for an
     // out-of-memory retry; the body is given back before the model runs.
     let decoded: u64 = inputs.iter().map(|t| t.data.byte_size() as u64).sum();
@@ -194,7 +195,7 @@ async fn run_infer(
     drop(req);
     drop(body);
     charge.set(decoded.saturating_mul(2))?;
-    let outputs = state.manager.infer(name, priority(headers), inputs, encoding.output_names()).await?;
+    let outputs = state.manager.infer(name, priority, inputs, encoding.output_names()).await?;
     let response = encode(name, &encoding, &outputs);
     if state.settings.low_ram_mode && large {
         drop(outputs);
@@ -240,12 +241,32 @@ fn check_text_lengths(state: &AppState, inputs: &[Tensor]) -> Result<(), SnoozeE
 /// In low-RAM mode the heap is trimmed after requests at least this large.
 const LARGE_REQUEST: usize = 1 << 20;
 
-/// `x-snooze-priority: low` marks work that may be refused under critical memory pressure.
-pub fn priority(headers: &HeaderMap) -> Priority {
-    match headers.get("x-snooze-priority").and_then(|v| v.to_str().ok()) {
-        Some(p) if p.eq_ignore_ascii_case("low") => Priority::Low,
-        _ => Priority::Normal,
+/// A request's priority: the `x-snooze-priority` header (`high`, `normal`, `low`), else
+/// the KServe `priority` parameter — a name, or Triton's number (1 = high, 2 = normal,
+/// 3 and more = low, 0 = the model's default) — else `None`: the model's default.
+pub fn priority(
+    headers: &HeaderMap,
+    parameters: Option<&codec::Parameters<'_>>,
+) -> Result<Option<Priority>, SnoozeError> {
+    let bad = |what: &str| {
+        SnoozeError::invalid(format!("{what} is not a priority: use \"high\", \"normal\" or \"low\""))
+    };
+    if let Some(v) = headers.get("x-snooze-priority") {
+        let text = v.to_str().map_err(|_| bad("the x-snooze-priority header"))?;
+        return Priority::parse(text).map(Some).ok_or_else(|| bad(&format!("x-snooze-priority '{text}'")));
     }
+    let Some(raw) = parameters.and_then(|p| p.get("priority")) else { return Ok(None) };
+    if let Ok(n) = serde_json::from_str::<u64>(raw.get()) {
+        return Ok(match n {
+            0 => None,
+            1 => Some(Priority::High),
+            2 => Some(Priority::Normal),
+            _ => Some(Priority::Low),
+        });
+    }
+    let text: String =
+        serde_json::from_str(raw.get()).map_err(|_| bad(&format!("parameters.priority {}", raw.get())))?;
+    Priority::parse(&text).map(Some).ok_or_else(|| bad(&format!("parameters.priority '{text}'")))
 }
 
 fn encode(name: &str, enc: &OutputEncoding, outputs: &[Tensor]) -> Response {

@@ -187,6 +187,7 @@ mod tests {
             footprint_measured_bytes: measured,
             footprint_peak_measured_bytes: None,
             leases: 0,
+            queued: [0; 3],
             last_used_ago: None,
             loaded_ago: None,
             unload_in: None,

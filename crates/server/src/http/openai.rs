@@ -17,7 +17,7 @@ use serde::{
     Deserialize,
 };
 use serde_json::{json, value::RawValue, Value};
-use snooze_core::{EmbedInput, InferError, SnoozeError, Task};
+use snooze_core::{EmbedInput, SnoozeError, Task};
 
 use super::{
     body::read_body,
@@ -303,39 +303,35 @@ async fn embeddings(
         Some(d) if d >= 1 => Some(usize::try_from(d).unwrap_or(usize::MAX)),
         Some(d) => return Err(invalid("dimensions", format!("dimensions must be at least 1, got {d}"))),
     };
+    // The vector width is in the signature: a `dimensions` no vector can have is refused
+    // before any work.
+    let width = info.signature.as_ref().ok().and_then(|s| s.outputs.first()?.shape.get(1).copied());
+    if let (Some(d), Some(w)) = (dimensions, width.filter(|w| *w > 0)) {
+        if d as i64 > w {
+            return Err(invalid("dimensions", format!("dimensions {d} is more than the model's {w}")));
+        }
+    }
     let model = req.model;
     drop(body);
-    let result = state
-        .manager
-        .run(&model, priority(&headers), move |m| {
-            let e = m
-                .as_embedder()
-                .ok_or_else(|| InferError::InvalidInput("this model does not produce embeddings".into()))?;
-            if let Some(d) = dimensions {
-                if d > e.dimensions() {
-                    return Err(InferError::InvalidInput(format!(
-                        "dimensions {d} is more than the model's {}",
-                        e.dimensions()
-                    )));
-                }
-                if !e.normalized() {
-                    return Err(InferError::InvalidInput(
-                        "this model's vectors are not normalized, so they cannot be shortened with dimensions"
-                            .into(),
-                    ));
-                }
-            }
-            let mut out = e.embed(&input)?;
-            if let Some(d) = dimensions {
-                for v in &mut out.vectors {
-                    v.truncate(d);
-                    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
-                    v.iter_mut().for_each(|x| *x /= norm);
-                }
-            }
-            Ok(out)
-        })
-        .await?;
+    let priority = priority(&headers, None)?;
+    let (mut result, normalized) = state.manager.embed(&model, priority, input).await?;
+    if let Some(d) = dimensions {
+        let have = result.vectors.first().map_or(usize::MAX, Vec::len);
+        if d > have {
+            return Err(invalid("dimensions", format!("dimensions {d} is more than the model's {have}")));
+        }
+        if !normalized {
+            return Err(invalid(
+                "dimensions",
+                "this model's vectors are not normalized, so they cannot be shortened with dimensions",
+            ));
+        }
+        for v in &mut result.vectors {
+            v.truncate(d);
+            let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
+            v.iter_mut().for_each(|x| *x /= norm);
+        }
+    }
     let data: Vec<Value> = result
         .vectors
         .iter()
@@ -354,7 +350,7 @@ async fn embeddings(
         "object": "list",
         "data": data,
         "model": model,
-        "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
+        "usage": {"prompt_tokens": result.prompt_tokens(), "total_tokens": result.prompt_tokens()},
     }))
     .into_response())
 }

@@ -1,0 +1,84 @@
+//! Refusals as sentences a user can act on: what was needed, what there was, and when
+//! to come back. The decisions are made elsewhere; only the wording lives here.
+
+use std::time::Duration;
+
+use crate::{
+    backend::Device,
+    error::{ErrorKind, SnoozeError},
+    units::format_bytes as fb,
+};
+
+/// Retry-After is sent in whole seconds: never advise less than one.
+fn at_least_a_second(d: Duration) -> Duration {
+    d.max(Duration::from_secs(1))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn never_fits(
+    name: &str,
+    device: &Device,
+    need: u64,
+    headroom: u64,
+    budget: u64,
+    baseline: u64,
+    pinned: u64,
+    retry_after: Duration,
+) -> SnoozeError {
+    SnoozeError::new(
+        ErrorKind::InsufficientMemory,
+        format!(
+            "model '{name}' needs {} on {device} (footprint {} + headroom {}), more than the budget can ever \
+             give it: {} budget - {} server baseline - {} pinned models = {} free at best; raise \
+             host_memory_limit or lower the model's memory",
+            fb(need.saturating_add(headroom)),
+            fb(need),
+            fb(headroom),
+            fb(budget),
+            fb(baseline),
+            fb(pinned),
+            fb(budget.saturating_sub(baseline + pinned)),
+        ),
+    )
+    .retry_after(retry_after)
+}
+
+pub(super) fn queue_full(name: &str, max_queue: usize, wait: Duration) -> SnoozeError {
+    SnoozeError::new(
+        ErrorKind::QueueFull,
+        format!(
+            "model '{name}' has {max_queue} requests waiting (max_queue); retry in about {:.1}s",
+            wait.as_secs_f64()
+        ),
+    )
+    .retry_after(at_least_a_second(wait))
+}
+
+pub(super) fn queue_timeout(name: &str, timeout: Duration, wait: Duration) -> SnoozeError {
+    SnoozeError::new(
+        ErrorKind::Overloaded,
+        format!(
+            "the request for model '{name}' waited queue_timeout ({}) without running (the model was \
+             waiting for memory or busy); retry in about {:.1}s",
+            crate::units::format_duration(timeout),
+            wait.as_secs_f64()
+        ),
+    )
+    .retry_after(at_least_a_second(wait))
+}
+
+pub(super) fn low_priority_under_pressure(retry_after: Duration) -> SnoozeError {
+    SnoozeError::new(
+        ErrorKind::InsufficientMemory,
+        "memory pressure is critical: low-priority requests are refused until it eases",
+    )
+    .retry_after(retry_after)
+}
+
+pub(super) fn out_of_memory(name: &str, why: &str, msg: &str, retry_after: Duration) -> SnoozeError {
+    SnoozeError::new(
+        ErrorKind::InsufficientMemory,
+        format!("model '{name}' ran out of memory during inference {why}: {msg}"),
+    )
+    .retry_after(retry_after)
+}
