@@ -6,109 +6,18 @@
 
 mod common;
 
+#[path = "common/cgroup.rs"]
+mod cgroup;
+
 use std::{
     fs,
-    path::PathBuf,
-    process::Command,
     sync::atomic::{AtomicUsize, Ordering},
     time::{Duration, Instant},
 };
 
+use cgroup::Cgroup;
 use common::*;
 use serde_json::json;
-
-/// A memory cgroup made inside our own (v1 here, v2 elsewhere), removed on drop.
-struct Cgroup {
-    dir: PathBuf,
-    v2: bool,
-}
-
-impl Cgroup {
-    fn create(limit: u64) -> Result<Cgroup, String> {
-        let own =
-            fs::read_to_string("/proc/self/cgroup").map_err(|e| format!("no /proc/self/cgroup: {e}"))?;
-        let name = format!("snooze-test-{}", std::process::id());
-        for line in own.lines() {
-            let mut parts = line.splitn(3, ':');
-            let (_, controllers, path) =
-                (parts.next(), parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-            let rel = path.trim_start_matches('/');
-            if controllers.split(',').any(|c| c == "memory") {
-                let dir = PathBuf::from("/sys/fs/cgroup/memory").join(rel).join(&name);
-                fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-                let cg = Cgroup { dir, v2: false };
-                cg.write("memory.limit_in_bytes", &limit.to_string())?;
-                let _ = cg.write("memory.memsw.limit_in_bytes", &limit.to_string());
-                return Ok(cg);
-            }
-        }
-        for line in own.lines() {
-            if let Some(rel) = line.strip_prefix("0::") {
-                let parent = PathBuf::from("/sys/fs/cgroup").join(rel.trim_start_matches('/'));
-                let _ = fs::write(parent.join("cgroup.subtree_control"), "+memory");
-                let dir = parent.join(&name);
-                fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-                let cg = Cgroup { dir, v2: true };
-                cg.write("memory.max", &limit.to_string())?;
-                let _ = cg.write("memory.swap.max", "0");
-                return Ok(cg);
-            }
-        }
-        Err("no memory cgroup found in /proc/self/cgroup".into())
-    }
-
-    fn write(&self, file: &str, value: &str) -> Result<(), String> {
-        fs::write(self.dir.join(file), value).map_err(|e| format!("cannot write {file}: {e}"))
-    }
-
-    fn read_field(&self, file: &str, key: &str) -> u64 {
-        fs::read_to_string(self.dir.join(file))
-            .unwrap_or_default()
-            .lines()
-            .find_map(|l| l.strip_prefix(key).and_then(|v| v.trim().parse().ok()))
-            .unwrap_or(0)
-    }
-
-    fn oom_kills(&self) -> u64 {
-        if self.v2 {
-            self.read_field("memory.events", "oom_kill ")
-        } else {
-            self.read_field("memory.oom_control", "oom_kill ")
-        }
-    }
-
-    fn peak(&self) -> u64 {
-        let file = if self.v2 { "memory.peak" } else { "memory.max_usage_in_bytes" };
-        fs::read_to_string(self.dir.join(file)).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
-    }
-
-    fn failcnt(&self) -> u64 {
-        fs::read_to_string(self.dir.join("memory.failcnt"))
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .unwrap_or(0)
-    }
-
-    /// A command that joins this cgroup, then execs `program`.
-    fn command(&self, program: &str) -> Command {
-        let mut c = Command::new("sh");
-        let procs = self.dir.join("cgroup.procs");
-        c.arg("-c").arg(format!("echo $$ > '{}' && exec \"$0\" \"$@\"", procs.display())).arg(program);
-        c
-    }
-}
-
-impl Drop for Cgroup {
-    fn drop(&mut self) {
-        for _ in 0..50 {
-            if fs::remove_dir(&self.dir).is_ok() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        eprintln!("could not remove {}", self.dir.display());
-    }
-}
 
 /// A tiny seeded generator (xorshift64*), so the request mix is the same every run.
 struct Rng(u64);
