@@ -61,7 +61,7 @@ pub struct ThreadPool {
 
 impl Default for ThreadPool {
     fn default() -> ThreadPool {
-        ThreadPool { intra_op_threads: 0, spinning: true }
+        ThreadPool { intra_op_threads: 0, spinning: false }
     }
 }
 

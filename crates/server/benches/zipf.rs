@@ -227,7 +227,10 @@ fn execute(run: &Run) -> Outcome {
             Outcome::Failed(format!("config refused: {why}"))
         };
     }
-    let server = match std::panic::catch_unwind(|| Server::start(run.id, &run.config, &[])) {
+    // `SNOOZE_ZIPF_SERVER_ARGS` adds flags to every server (e.g. `--intra-op-spinning false`).
+    let extra = std::env::var("SNOOZE_ZIPF_SERVER_ARGS").unwrap_or_default();
+    let extra: Vec<&str> = extra.split_whitespace().collect();
+    let server = match std::panic::catch_unwind(|| Server::start(run.id, &run.config, &extra)) {
         Ok(s) => s,
         // In case a build checks the key only when serving (the panic carries its logs).
         Err(panic) if unknown_max_batch(&panic_message(&panic)) => {

@@ -75,7 +75,7 @@ pub const SERVER_KEYS: &[ServerKey] = &[
     key("queue_timeout", "30s", "Longest a request waits in its model's queue (for memory, a load, a free run slot); then 503 + Retry-After."),
     key("max_swap_delay", "200ms", "Longest a model waiting to load lets resident models serve their queued requests before one of them is evicted anyway; bounds how long a cold model can be starved."),
     key("max_concurrent_inferences", "0", "Runs (batches) at once across all models; 0 = no cap."),
-    key("intra_op_spinning", "true", "Let ONNX Runtime's shared thread pool spin while waiting for work: faster under load, costs CPU when idle."),
+    key("intra_op_spinning", "false", "Let ONNX Runtime's shared thread pool spin while waiting for work (measured: no faster under load on 2 cores, and it takes CPU from everything else)."),
     key("acquire_timeout", "120s", "Longest a request waits for its model to load, and a repository load or unload for its model (then 503)."),
     key("max_request_size", "64MiB", "Largest request body; larger ones get 413, refused by Content-Length before they are read."),
     key("max_inflight_request_bytes", "10%", "Memory that requests being decoded and served may hold in all (bodies, decoded tensors, the copy kept for an out-of-memory retry), as a size or a percentage of the memory budget; past it new requests get 503 + Retry-After."),
