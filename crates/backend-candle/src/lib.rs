@@ -58,7 +58,7 @@ impl Backend for CandleBackend {
         "candle"
     }
 
-    fn estimate(&self, path: &Path) -> FootprintEstimate {
+    fn estimate(&self, path: &Path, _weights: snooze_core::Weights) -> FootprintEstimate {
         match estimate(path) {
             Ok(e) => e,
             Err(why) => FootprintEstimate::indeterminate(why),

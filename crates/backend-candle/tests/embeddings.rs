@@ -156,7 +156,7 @@ fn signature_and_estimate_come_from_the_files() {
     assert_eq!(backend.name(), "candle");
     let sig = backend.signature(&dir).unwrap();
     assert_eq!(sig.outputs[0].shape, vec![-1, 384]);
-    let est = backend.estimate(&dir);
+    let est = backend.estimate(&dir, snooze_core::Weights::Prepacked);
     let weights = std::fs::metadata(dir.join("model.safetensors")).unwrap().len();
     let steady = est.steady_bytes.unwrap();
     assert!(steady > weights && est.peak_bytes.unwrap() >= steady, "{est:?}");
@@ -168,7 +168,10 @@ fn broken_folders_fail_with_a_sentence() {
     let backend = CandleBackend::new();
     let err = backend.load(&spec("/nonexistent/model".into())).err().unwrap();
     assert!(err.to_string().contains("/nonexistent/model"), "{err}");
-    assert!(backend.estimate("/nonexistent/model".as_ref()).steady_bytes.is_none());
+    assert!(backend
+        .estimate("/nonexistent/model".as_ref(), snooze_core::Weights::Prepacked)
+        .steady_bytes
+        .is_none());
 
     // A copy of the real folder with a second candidate weight file and no index.
     let src = model_dir();
@@ -185,7 +188,7 @@ fn broken_folders_fail_with_a_sentence() {
     }
     std::fs::write(dir.join("model.safetensors"), b"").unwrap();
     std::fs::write(dir.join("pytorch_model.bin"), b"").unwrap();
-    let est = backend.estimate(&dir);
+    let est = backend.estimate(&dir, snooze_core::Weights::Prepacked);
     assert!(est.steady_bytes.is_none() && est.derivation.contains("several candidate"), "{est:?}");
     let err = backend.load(&spec(dir.clone())).err().unwrap();
     assert!(err.to_string().contains("pytorch_model.bin"), "{err}");

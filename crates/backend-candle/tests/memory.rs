@@ -52,7 +52,7 @@ fn load_costs_what_the_estimate_says_and_unload_gives_it_back() {
     let tuned = memory::tune_allocator_for_low_ram();
     let backend = CandleBackend::new();
     let dir = model_dir();
-    let estimate = backend.estimate(&dir);
+    let estimate = backend.estimate(&dir, snooze_core::Weights::Prepacked);
     let (steady, peak) = (estimate.steady_bytes.unwrap(), estimate.peak_bytes.unwrap());
     let weights = std::fs::metadata(dir.join("model.safetensors")).unwrap().len();
 

@@ -18,7 +18,9 @@ use ort::{
     environment::{Environment, GlobalThreadPoolOptions},
     session::{builder::GraphOptimizationLevel, Session},
 };
-use snooze_core::{Backend, Device, FootprintEstimate, LoadError, LoadSpec, LoadedModel, ModelSignature};
+use snooze_core::{
+    Backend, Device, FootprintEstimate, LoadError, LoadSpec, LoadedModel, ModelSignature, Weights,
+};
 
 mod convert;
 pub mod errors;
@@ -26,8 +28,13 @@ pub mod estimate;
 mod model;
 mod onnx_file;
 mod proto;
+mod weights;
 
-use crate::{model::OrtModel, onnx_file::ModelFile};
+use crate::{
+    model::{OrtModel, Runner},
+    onnx_file::ModelFile,
+    weights::ModelBytes,
+};
 
 const HOW_TO_FIX: &str = "run `make prepare` (it installs onnxruntime into .venv) and set ORT_DYLIB_PATH to \
      .venv/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime.so.1.*";
@@ -40,6 +47,11 @@ static RUNTIME: OnceLock<Result<(PathBuf, Environment), String>> = OnceLock::new
 #[derive(Clone)]
 pub struct OrtBackend {
     env: Environment,
+    /// The runtime library (part of the ORT-format cache key).
+    library: PathBuf,
+    /// Where ORT-format copies of models are kept; `None`: `compact` and `mapped` fall
+    /// back to `prepacked`.
+    cache_dir: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for OrtBackend {
@@ -50,19 +62,13 @@ impl std::fmt::Debug for OrtBackend {
 
 /// The one intra-op thread pool every session shares (ONNX Runtime's global thread
 /// pool): N loaded models do not start N pools of spinning threads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ThreadPool {
     /// Threads one run may use; 0 = one per core.
     pub intra_op_threads: usize,
-    /// Let idle pool threads spin for new work: faster under steady load, burns CPU
-    /// when idle.
+    /// Let idle pool threads spin for new work (off by default: measured no faster on
+    /// 2 cores, and it takes CPU from everything else).
     pub spinning: bool,
-}
-
-impl Default for ThreadPool {
-    fn default() -> ThreadPool {
-        ThreadPool { intra_op_threads: 0, spinning: false }
-    }
 }
 
 impl OrtBackend {
@@ -87,7 +93,83 @@ impl OrtBackend {
                 "ONNX Runtime is already loaded from another file; using that one"
             );
         }
-        Ok(OrtBackend { env: env.clone() })
+        Ok(OrtBackend { env: env.clone(), library: loaded.clone(), cache_dir: None })
+    }
+
+    /// Keeps ORT-format copies of the models in `dir` (needed by `compact` and `mapped`).
+    pub fn with_cache_dir(mut self, dir: impl Into<PathBuf>) -> OrtBackend {
+        self.cache_dir = Some(dir.into());
+        self
+    }
+
+    /// The ORT-format copy of `file`, converted now if needed.
+    fn ort_format(&self, name: &str, file: &Path, weights: Weights) -> Result<PathBuf, LoadError> {
+        let dir = self.cache_dir.as_deref().ok_or_else(|| {
+            LoadError::Failed(format!(
+                "model '{name}': weights = \"{}\" needs an ORT-format cache directory (state_dir)",
+                weights.as_str()
+            ))
+        })?;
+        weights::ort_format_file(&self.env, file, dir, &self.library).map_err(|e| {
+            LoadError::Failed(format!("model '{name}' (weights = \"{}\"): {e}", weights.as_str()))
+        })
+    }
+
+    /// Creates `n` sessions for `file` held as `weights`.
+    fn sessions(&self, spec: &LoadSpec, file: &Path) -> Result<(Vec<Runner>, Option<ModelBytes>), LoadError> {
+        let failed = |e: &str| errors::load_error(&spec.name, file, e);
+        let n = spec.instances.max(1);
+        // Threads come from the environment's global pool (see `ThreadPool`).
+        let builder = |prepack: bool| {
+            Session::builder(&self.env)
+                .map_err(|e| failed(e.message()))?
+                .with_optimization_level(GraphOptimizationLevel::All)
+                .map_err(|e| failed(e.message()))?
+                .with_prepacking(prepack)
+                .map_err(|e| failed(e.message()))
+        };
+        match spec.weights {
+            Weights::Prepacked | Weights::Auto => {
+                // An ORT-format copy cached for another profile skips the graph
+                // optimisation a `.onnx` needs; none is made for this one (it would double
+                // the disk the model takes for a third of its load time).
+                let cached =
+                    self.cache_dir.as_deref().and_then(|d| weights::cached_ort_file(file, d, &self.library));
+                let source = cached.unwrap_or_else(|| file.to_path_buf());
+                let sessions = (0..n)
+                    .map(|_| {
+                        builder(true)?
+                            .commit_from_file(&source)
+                            .map(Runner::Own)
+                            .map_err(|e| failed(e.message()))
+                    })
+                    .collect::<Result<_, _>>()?;
+                Ok((sessions, None))
+            }
+            Weights::Compact | Weights::Mapped => {
+                let ort_file = self.ort_format(&spec.name, file, spec.weights)?;
+                let bytes = if spec.weights == Weights::Mapped {
+                    ModelBytes::map(&ort_file)
+                } else {
+                    ModelBytes::read(&ort_file)
+                }
+                .map_err(|e| LoadError::Failed(format!("model '{}': {e}", spec.name)))?;
+                // SAFETY: the slice points into `bytes` (heap or mapping: it does not move
+                // when `bytes` does); the model returned keeps `bytes` until every session
+                // made from it is dropped.
+                let slice: &'static [u8] =
+                    unsafe { std::mem::transmute::<&[u8], &'static [u8]>(bytes.as_slice()) };
+                let sessions = (0..n)
+                    .map(|_| {
+                        builder(false)?
+                            .commit_from_memory_directly(slice)
+                            .map(Runner::InPlace)
+                            .map_err(|e| failed(e.message()))
+                    })
+                    .collect::<Result<_, _>>()?;
+                Ok((sessions, Some(bytes)))
+            }
+        }
     }
 }
 
@@ -193,12 +275,34 @@ impl Backend for OrtBackend {
         "onnx"
     }
 
-    fn estimate(&self, path: &Path) -> FootprintEstimate {
-        estimate::estimate(path)
+    fn estimate(&self, path: &Path, weights: Weights) -> FootprintEstimate {
+        let mut e = estimate::estimate(path, weights);
+        // Until the ORT-format copy exists, the first load converts, which holds more.
+        let lean = matches!(weights, Weights::Compact | Weights::Mapped);
+        let converted = resolve_model_file(path)
+            .ok()
+            .zip(self.cache_dir.as_deref())
+            .is_some_and(|(f, d)| weights::cached_ort_file(&f, d, &self.library).is_some());
+        if lean && !converted {
+            estimate::add_conversion(&mut e, path);
+        }
+        e
     }
 
     fn signature(&self, path: &Path) -> Result<ModelSignature, LoadError> {
         read_signature(&resolve_model_file(path).map_err(LoadError::Failed)?)
+    }
+
+    /// Converts the model to the ORT format once (cached) for `compact` and `mapped`:
+    /// its transient memory (about 2.6x a 100 MiB model) is not what a load costs.
+    fn prepare(&self, spec: &LoadSpec) -> Result<(), LoadError> {
+        if matches!(spec.weights, Weights::Compact | Weights::Mapped) {
+            let file = resolve_model_file(&spec.path)
+                .map_err(|e| LoadError::Failed(format!("cannot load model '{}': {e}", spec.name)))?;
+            read_signature(&file)?;
+            self.ort_format(&spec.name, &file, spec.weights)?;
+        }
+        Ok(())
     }
 
     fn load(&self, spec: &LoadSpec) -> Result<Arc<dyn LoadedModel>, LoadError> {
@@ -212,20 +316,10 @@ impl Backend for OrtBackend {
             .map_err(|e| LoadError::Failed(format!("cannot load model '{}': {e}", spec.name)))?;
         // A corrupt file fails here with a sentence instead of a protobuf error code.
         let signature = read_signature(&file)?;
-        let failed = |e: &str| errors::load_error(&spec.name, &file, e);
-        // Threads come from the environment's global pool (see `ThreadPool`).
-        let sessions = (0..spec.instances.max(1))
-            .map(|_| {
-                Session::builder(&self.env)
-                    .map_err(|e| failed(e.message()))?
-                    .with_optimization_level(GraphOptimizationLevel::All)
-                    .map_err(|e| failed(e.message()))?
-                    .commit_from_file(&file)
-                    .map_err(|e| failed(e.message()))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        tracing::debug!(model = %spec.name, file = %file.display(), sessions = sessions.len(), "onnx sessions created");
-        Ok(Arc::new(OrtModel::new(spec.name.clone(), signature, sessions)))
+        let (sessions, bytes) = self.sessions(spec, &file)?;
+        tracing::debug!(model = %spec.name, file = %file.display(), sessions = sessions.len(), weights = spec.weights.as_str(), "onnx sessions created");
+        // SAFETY: `sessions` borrow only from `bytes` (see `sessions`).
+        Ok(Arc::new(unsafe { OrtModel::new(spec.name.clone(), signature, sessions, bytes) }))
     }
 }
 

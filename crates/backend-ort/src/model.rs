@@ -5,10 +5,30 @@ use std::{
     sync::{Mutex, MutexGuard, PoisonError, TryLockError},
 };
 
-use ort::session::{OutputSelector, RunOptions, Session};
+use ort::session::{InMemorySession, OutputSelector, RunOptions, Session, SessionInputValue, SessionOutputs};
 use snooze_core::{InferError, LoadedModel, ModelSignature, Tensor};
 
-use crate::{convert, errors};
+use crate::{convert, errors, weights::ModelBytes};
+
+/// A session over the runtime's own copy of the model, or one that uses `bytes` in place.
+pub(crate) enum Runner {
+    Own(Session),
+    /// Borrows from the `OrtModel`'s `bytes`, which it must not outlive (see `Drop`).
+    InPlace(InMemorySession<'static>),
+}
+
+impl Runner {
+    fn run<'r>(
+        &'r mut self,
+        feeds: Vec<(String, SessionInputValue<'_>)>,
+        options: &'r RunOptions<ort::session::HasSelectedOutputs>,
+    ) -> ort::Result<SessionOutputs<'r>> {
+        match self {
+            Runner::Own(s) => s.run_with_options(feeds, options),
+            Runner::InPlace(s) => s.run_with_options(feeds, options),
+        }
+    }
+}
 
 pub(crate) struct OrtModel {
     name: String,
@@ -18,17 +38,32 @@ pub(crate) struct OrtModel {
     /// scheduler starts at most `max_concurrency` runs, and that many sessions are
     /// loaded (each counted in the measured footprint). `Option` so `Drop` can release
     /// the sessions before trimming the heap.
-    sessions: Vec<Mutex<Option<Session>>>,
+    sessions: Vec<Mutex<Option<Runner>>>,
+    /// What `InPlace` sessions use; dropped after them.
+    bytes: Option<ModelBytes>,
 }
 
 impl OrtModel {
-    pub(crate) fn new(name: String, signature: ModelSignature, sessions: Vec<Session>) -> OrtModel {
-        OrtModel { name, signature, sessions: sessions.into_iter().map(|s| Mutex::new(Some(s))).collect() }
+    /// # Safety
+    /// Every `Runner::InPlace` in `sessions` must borrow from `bytes` (and nothing else
+    /// with a shorter life): the model keeps `bytes` alive until its sessions are gone.
+    pub(crate) unsafe fn new(
+        name: String,
+        signature: ModelSignature,
+        sessions: Vec<Runner>,
+        bytes: Option<ModelBytes>,
+    ) -> OrtModel {
+        OrtModel {
+            name,
+            signature,
+            sessions: sessions.into_iter().map(|s| Mutex::new(Some(s))).collect(),
+            bytes,
+        }
     }
 
     /// A session no other run holds (the scheduler keeps runs <= sessions); the first
     /// one, waited for, if they are all busy anyway.
-    fn free_session(&self) -> MutexGuard<'_, Option<Session>> {
+    fn free_session(&self) -> MutexGuard<'_, Option<Runner>> {
         for m in &self.sessions {
             match m.try_lock() {
                 Ok(guard) => return guard,
@@ -115,6 +150,10 @@ impl LoadedModel for OrtModel {
         &self.signature
     }
 
+    fn mapped_bytes(&self) -> u64 {
+        self.bytes.as_ref().map_or(0, ModelBytes::mapped_len)
+    }
+
     fn infer(&self, inputs: &[Tensor], outputs: &[String]) -> Result<Vec<Tensor>, InferError> {
         self.check_inputs(inputs)?;
         let wanted = self.wanted_outputs(outputs)?;
@@ -132,7 +171,7 @@ impl LoadedModel for OrtModel {
         let session = guard
             .as_mut()
             .ok_or_else(|| InferError::Failed(format!("model '{}' has been unloaded", self.name)))?;
-        let results = session.run_with_options(feeds, &options).map_err(run_failed)?;
+        let results = session.run(feeds, &options).map_err(run_failed)?;
         wanted
             .iter()
             .map(|name| {
@@ -148,9 +187,11 @@ impl LoadedModel for OrtModel {
 
 impl Drop for OrtModel {
     fn drop(&mut self) {
+        // Sessions before the bytes they may borrow.
         for m in &mut self.sessions {
             drop(m.get_mut().unwrap_or_else(PoisonError::into_inner).take());
         }
+        drop(self.bytes.take());
         // ONNX Runtime frees through glibc, which keeps the freed arenas mapped:
         // without a trim an unloaded model still counts against RSS and the cgroup.
         snooze_core::memory::trim_heap();

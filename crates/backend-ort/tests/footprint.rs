@@ -56,7 +56,7 @@ fn measured_footprint_is_covered_by_the_estimate() {
         let after_infer = memory::process_rss_bytes().saturating_sub(base);
         drop(m);
         let after_drop = memory::process_rss_bytes().saturating_sub(base);
-        let e = b.estimate(&model(name));
+        let e = b.estimate(&model(name), snooze_core::Weights::Prepacked);
         println!(
             "{name}: steady {:.1} MiB (after one run {:.1}), load peak {:.1} MiB, after drop {:.1} MiB; \
              estimate steady {:.1} MiB, peak {:.1} MiB ({})",

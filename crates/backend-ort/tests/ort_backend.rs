@@ -57,7 +57,7 @@ fn a_corrupt_file_is_a_failure_naming_the_path() {
         panic!("corrupt load should fail")
     };
     assert!(msg.contains(&path.display().to_string()), "{msg}");
-    let estimate = b.estimate(&path);
+    let estimate = b.estimate(&path, snooze_core::Weights::Prepacked);
     assert_eq!(estimate.steady_bytes, None, "{}", estimate.derivation);
 }
 
@@ -83,7 +83,7 @@ fn a_missing_library_is_an_error_not_a_panic() {
 
 #[test]
 fn estimate_counts_external_data() {
-    let e = backend().estimate(&model("mlp-400m"));
+    let e = backend().estimate(&model("mlp-400m"), snooze_core::Weights::Prepacked);
     let steady = e.steady_bytes.expect("400m is sizeable");
     let peak = e.peak_bytes.expect("peak");
     // More than the 420,250,624 bytes of model.onnx.data: the external data is counted.
@@ -91,7 +91,7 @@ fn estimate_counts_external_data() {
     assert!(peak >= steady);
     assert!(e.derivation.contains("external data 400.8 MiB"), "{}", e.derivation);
 
-    let inline = backend().estimate(&model("mlp-100m-1"));
+    let inline = backend().estimate(&model("mlp-100m-1"), snooze_core::Weights::Prepacked);
     assert!(inline.derivation.contains("external data 0.0 MiB"), "{}", inline.derivation);
     assert!(inline.steady_bytes.unwrap() > 100 << 20);
 }

@@ -52,6 +52,44 @@ impl TryFrom<String> for Device {
     }
 }
 
+/// How a model's weights are held in memory. ONNX Runtime models choose; other
+/// backends have one way and ignore it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Weights {
+    /// Chosen at start from the budget and the model's batching (see the README).
+    #[default]
+    Auto,
+    /// ONNX Runtime's default: MatMul weights prepacked — fastest on batches, slowest to load.
+    Prepacked,
+    /// One private copy of the weights, not prepacked: little over the weights' size, quick to load.
+    Compact,
+    /// Served straight from a read-only mapping of the model file (its cached ORT-format
+    /// copy): no private copy at all, and a reload from the page cache takes milliseconds.
+    Mapped,
+}
+
+impl Weights {
+    pub fn parse(s: &str) -> Option<Weights> {
+        match s {
+            "auto" => Some(Weights::Auto),
+            "prepacked" => Some(Weights::Prepacked),
+            "compact" => Some(Weights::Compact),
+            "mapped" => Some(Weights::Mapped),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Weights::Auto => "auto",
+            Weights::Prepacked => "prepacked",
+            Weights::Compact => "compact",
+            Weights::Mapped => "mapped",
+        }
+    }
+}
+
 /// What a model is for, which decides the APIs that serve it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -90,6 +128,8 @@ pub struct LoadSpec {
     /// Runs the scheduler may start at once on this model: a backend whose runs need
     /// exclusive access to their instance loads this many.
     pub instances: usize,
+    /// How the weights are held (resolved: never `Auto` here).
+    pub weights: Weights,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -177,19 +217,29 @@ pub trait LoadedModel: Send + Sync {
     fn working_bytes(&self) -> u64 {
         0
     }
+    /// Bytes of the model's files it serves from a mapping: resident once a run has
+    /// touched them (a load touches few), so they count in its footprint from the start.
+    fn mapped_bytes(&self) -> u64 {
+        0
+    }
 }
 
 /// An engine: reads model files, loads them, says what they will cost.
 pub trait Backend: Send + Sync + 'static {
     /// The config name (`"onnx"`, `"candle"`).
     fn name(&self) -> &'static str;
-    /// Footprint from the files alone; never loads the model.
-    fn estimate(&self, path: &std::path::Path) -> FootprintEstimate;
+    /// Footprint from the files alone, for weights held as `weights`; never loads the model.
+    fn estimate(&self, path: &std::path::Path, weights: Weights) -> FootprintEstimate;
     /// What the model at `path` is for, from its files.
     fn task(&self, _path: &std::path::Path) -> Task {
         Task::Tensor
     }
     /// The model's inputs and outputs, read from its files without loading it.
     fn signature(&self, path: &std::path::Path) -> Result<ModelSignature, LoadError>;
+    /// Work done once before the model can load — not part of what a load costs (an
+    /// ORT-format conversion, cached on disk). Called before the load is measured.
+    fn prepare(&self, _spec: &LoadSpec) -> Result<(), LoadError> {
+        Ok(())
+    }
     fn load(&self, spec: &LoadSpec) -> Result<Arc<dyn LoadedModel>, LoadError>;
 }

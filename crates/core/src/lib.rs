@@ -16,7 +16,7 @@ pub mod tensor;
 
 pub use backend::{
     Backend, Device, EmbedInput, Embedder, Embeddings, FootprintEstimate, InferError, LoadError, LoadSpec,
-    LoadedModel, Task,
+    LoadedModel, Task, Weights,
 };
 pub use error::{ErrorKind, SnoozeError};
 pub use memory::{HostProbe, MemoryProbe, MemorySnapshot};

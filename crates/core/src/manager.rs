@@ -20,7 +20,7 @@ use std::{
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::{
-    backend::{Backend, Device, EmbedInput, Embeddings, LoadError, LoadSpec, LoadedModel, Task},
+    backend::{Backend, Device, EmbedInput, Embeddings, LoadError, LoadSpec, LoadedModel, Task, Weights},
     error::{ErrorKind, SnoozeError},
     execution::{self, BatchEnd, Job, Output, Payload},
     learned::{FootprintStore, LearnedFootprint},
@@ -45,6 +45,8 @@ pub struct ModelEntry {
     pub preload: bool,
     /// Identifies the model's files for the learned-footprint store.
     pub fingerprint: String,
+    /// How its weights are held (resolved: not `Auto`).
+    pub weights: Weights,
 }
 
 pub struct ManagerConfig {
@@ -73,6 +75,8 @@ pub struct ModelInfo {
     pub signature: Result<ModelSignature, String>,
     /// Requests may share a run (the batch dimension is dynamic and `max_batch_size > 1`).
     pub batchable: bool,
+    /// How its weights are held.
+    pub weights: Weights,
 }
 
 /// What a garbage collection did.
@@ -193,8 +197,9 @@ impl ModelManager {
                 path: entry.path.clone(),
                 signature: entry.signature,
                 batchable,
+                weights: entry.weights,
             });
-            backends.push((entry.backend, entry.path));
+            backends.push((entry.backend, entry.path, entry.weights));
         }
         let names = infos.iter().enumerate().map(|(i, m)| (m.name.clone(), i)).collect();
         let (tx, rx) = mpsc::unbounded_channel();
@@ -432,7 +437,7 @@ fn dynamic_batch(sig: &ModelSignature) -> bool {
 
 struct Actor {
     scheduler: Scheduler,
-    backends: Vec<(Arc<dyn Backend>, PathBuf)>,
+    backends: Vec<(Arc<dyn Backend>, PathBuf, Weights)>,
     fingerprints: Vec<String>,
     store: Option<Arc<FootprintStore>>,
     loaded: HashMap<ModelId, Arc<dyn LoadedModel>>,
@@ -538,7 +543,7 @@ impl Actor {
         if !self.scheduler.is_unreadable(model) {
             return;
         }
-        let (backend, path) = &self.backends[model];
+        let (backend, path, _) = &self.backends[model];
         let now_readable = backend.signature(path).err().map(|e| e.to_string());
         if let Some(e) = &now_readable {
             let name = &self.scheduler.slot(model).policy.name;
@@ -748,7 +753,7 @@ impl Actor {
     }
 
     fn start_load(&mut self, model: ModelId, device: Device) {
-        let (backend, path) = self.backends[model].clone();
+        let (backend, path, weights) = self.backends[model].clone();
         let policy = &self.scheduler.slot(model).policy;
         let spec = LoadSpec {
             name: policy.name.clone(),
@@ -756,24 +761,32 @@ impl Actor {
             device,
             intra_op_threads: self.intra_op_threads,
             instances: policy.max_concurrency.max(1) as usize,
+            weights,
         };
         tracing::debug!(model = %spec.name, device = %spec.device, "loading");
         let tx = self.tx.clone();
         let probe = self.probe.clone();
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
+            let panicked = || LoadError::Failed(format!("the backend panicked loading '{}'", spec.name));
+            // One-time preparation (a format conversion) is not what the model costs to load.
+            let prepared = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.prepare(&spec)))
+                .unwrap_or_else(|_| Err(panicked()));
+            memory::trim_heap();
             let before = probe.process_bytes();
             probe.reset_peak();
-            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.load(&spec)))
-                .unwrap_or_else(|_| {
-                    Err(LoadError::Failed(format!("the backend panicked loading '{}'", spec.name)))
-                });
+            let result = prepared.and_then(|()| {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.load(&spec)))
+                    .unwrap_or_else(|_| Err(panicked()))
+            });
             let (after, peak) = (probe.process_bytes(), probe.peak_process_bytes());
             let grew =
                 |to: Option<u64>| to.zip(before).and_then(|(t, b)| t.checked_sub(b)).filter(|d| *d > 0);
             let result = result.map(|m| {
-                let measured =
-                    LoadMeasurement { steady: grew(after).map(|s| s + m.working_bytes()), peak: grew(peak) };
+                let measured = LoadMeasurement {
+                    steady: grew(after).map(|s| s + m.working_bytes() + m.mapped_bytes()),
+                    peak: grew(peak),
+                };
                 (m, measured)
             });
             let _ = tx.send(Command::LoadDone { model, result, took: started.elapsed() });

@@ -120,7 +120,7 @@ impl Backend for FakeBackend {
     fn name(&self) -> &'static str {
         "fake"
     }
-    fn estimate(&self, _: &std::path::Path) -> crate::FootprintEstimate {
+    fn estimate(&self, _: &std::path::Path, _: crate::Weights) -> crate::FootprintEstimate {
         crate::FootprintEstimate::indeterminate("fake")
     }
     fn signature(&self, _: &std::path::Path) -> Result<ModelSignature, LoadError> {
@@ -195,6 +195,7 @@ fn setup_full(
                 signature: Ok(batch_signature()),
                 preload: false,
                 fingerprint: String::new(),
+                weights: crate::Weights::Prepacked,
             }
         })
         .collect();
@@ -443,6 +444,7 @@ async fn a_full_gpu_falls_back_to_the_cpu_by_the_probe() {
         signature: Ok(batch_signature()),
         preload: false,
         fingerprint: String::new(),
+        weights: crate::Weights::Prepacked,
     };
     let gpu = Arc::new(FakeProbe { free: Arc::new(AtomicU64::new(10 * MB)), process: process.clone() });
     let m = ModelManager::start(ManagerConfig {

@@ -194,6 +194,7 @@ fn load(backend: &OrtBackend, models: &Path, name: &str) -> anyhow::Result<Arc<d
         device: Device::Cpu,
         intra_op_threads: 0,
         instances: 1,
+        weights: snooze_core::Weights::Prepacked,
     };
     backend.load(&spec).map_err(|e| anyhow::anyhow!("{e}"))
 }

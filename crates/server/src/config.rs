@@ -17,7 +17,7 @@ use snooze_core::{
     lifecycle::Priority,
     pressure::Thresholds,
     units::{parse_bytes, parse_duration, KeepAlive, MemorySize},
-    Device,
+    Device, Weights,
 };
 
 /// The config served when no file is given: the demo models `make prepare` builds.
@@ -147,6 +147,7 @@ pub struct RawModel {
     pub batch_delay: Option<Scalar>,
     pub max_concurrency: Option<Scalar>,
     pub priority: Option<String>,
+    pub weights: Option<String>,
 }
 
 /// How the memory budget is set.
@@ -226,6 +227,8 @@ pub struct ModelSettings {
     /// Runs of this model at once (ONNX models load one session per run).
     pub max_concurrency: u32,
     pub priority: Priority,
+    /// How an ONNX model's weights are held (`Auto` is decided at start).
+    pub weights: Weights,
 }
 
 #[derive(Debug, Clone)]
@@ -436,6 +439,12 @@ fn model_settings(
         Some(p) => Priority::parse(p)
             .ok_or_else(|| err(&key("priority"), format!("'{p}' is not \"low\", \"normal\" or \"high\"")))?,
     };
+    let weights = match &raw.weights {
+        None => Weights::Auto,
+        Some(w) => Weights::parse(w).ok_or_else(|| {
+            err(&key("weights"), format!("'{w}' is not \"auto\", \"prepacked\", \"compact\" or \"mapped\""))
+        })?,
+    };
     let batch_delay = match &raw.batch_delay {
         None => Duration::ZERO,
         Some(v) => parse_duration(&v.to_string()).map_err(|e| err(&key("batch_delay"), e))?,
@@ -446,6 +455,7 @@ fn model_settings(
         batch_delay,
         max_concurrency: whole("max_concurrency", &raw.max_concurrency, 1, 1)? as u32,
         priority,
+        weights,
         name: name.to_string(),
         backend,
         path,
@@ -557,6 +567,7 @@ mod tests {
             ("[models.x]\npath = \"repo/b\"\nmax_concurrency = 0", "[models.x] max_concurrency"),
             ("[models.x]\npath = \"repo/b\"\npriority = \"urgent\"", "[models.x] priority"),
             ("[models.x]\npath = \"repo/b\"\nbatch_delay = \"soon\"", "[models.x] batch_delay"),
+            ("[models.x]\npath = \"repo/b\"\nweights = \"light\"", "[models.x] weights"),
             ("[server]\nqueue_timeout = \"0s\"", "[server] queue_timeout"),
             ("[server]\nintra_op_spinning = \"maybe\"", "[server] intra_op_spinning"),
             ("[server]\nmemory_warning_threshold = 1.5", "[server] memory_warning_threshold"),

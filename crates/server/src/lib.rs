@@ -17,7 +17,7 @@ use snooze_core::{
     lifecycle::SchedulerConfig,
     memory::{LimitSource, MemoryProbe},
     units::format_bytes,
-    Backend, Device, HostProbe, ManagerConfig, ModelEntry, ModelManager, ModelPolicy,
+    Backend, Device, HostProbe, ManagerConfig, ModelEntry, ModelManager, ModelPolicy, Weights,
 };
 
 use crate::config::{Backend as BackendKind, Config, MemoryLimit};
@@ -47,7 +47,10 @@ impl Backends {
             spinning: config.server.intra_op_spinning,
         };
         let onnx = if config.models.iter().any(|m| m.backend == BackendKind::Onnx) {
-            Some(Arc::new(OrtBackend::with_pool(None, pool).map_err(anyhow::Error::msg)?) as Arc<dyn Backend>)
+            let ort = OrtBackend::with_pool(None, pool)
+                .map_err(anyhow::Error::msg)?
+                .with_cache_dir(config.server.state_dir.join("ort-cache"));
+            Some(Arc::new(ort) as Arc<dyn Backend>)
         } else {
             None
         };
@@ -60,6 +63,40 @@ impl Backends {
             BackendKind::Candle => Ok(self.candle.clone()),
         }
     }
+}
+
+/// `weights = "auto"` decided per model: `prepacked` (ONNX Runtime's default, the
+/// fastest batches) when every configured model fits the budget at once and
+/// `max_loaded_models` does not cap them — nothing will be evicted, so its slow loads
+/// are rare — and the model batches (`max_batch_size > 1`: prepacking only pays on
+/// batches); otherwise `mapped`, whose swaps cost milliseconds and whose resident
+/// weights are page cache, not a private copy. Measured: see bench/README.md.
+fn resolve_weights(
+    config: &Config,
+    backends: &Backends,
+    budget: u64,
+    baseline: u64,
+) -> anyhow::Result<Vec<Weights>> {
+    let s = &config.server;
+    let mut all = baseline;
+    for m in &config.models {
+        let need = match m.memory {
+            Some(b) => Some(b),
+            None => backends.get(m.backend)?.estimate(&m.path, Weights::Prepacked).steady_bytes,
+        };
+        all = all.saturating_add(need.unwrap_or(u64::MAX / 4)).saturating_add(s.headroom);
+    }
+    let uncapped = s.max_loaded_models == 0 || s.max_loaded_models >= config.models.len();
+    let roomy = all <= budget && uncapped;
+    Ok(config
+        .models
+        .iter()
+        .map(|m| match m.weights {
+            Weights::Auto if roomy && m.max_batch_size > 1 => Weights::Prepacked,
+            Weights::Auto => Weights::Mapped,
+            chosen => chosen,
+        })
+        .collect())
 }
 
 /// Builds the model manager and the HTTP state from a validated config. Must run
@@ -91,10 +128,11 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
             format_bytes(s.headroom)
         );
     }
+    let weights = resolve_weights(config, &backends, budget, baseline)?;
     let mut models = Vec::new();
-    for m in &config.models {
+    for (m, weights) in config.models.iter().zip(weights) {
         let backend = backends.get(m.backend)?;
-        let estimate = backend.estimate(&m.path);
+        let estimate = backend.estimate(&m.path, weights);
         if estimate.steady_bytes.is_none() && m.memory.is_none() {
             tracing::warn!(model = %m.name, reason = %estimate.derivation, "footprint indeterminate: this model loads without the memory guard");
         }
@@ -124,7 +162,13 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
             path: m.path.clone(),
             signature,
             preload: m.preload,
-            fingerprint: snooze_core::learned::fingerprint(&m.path),
+            // Each way of holding the weights has its own footprint to learn.
+            fingerprint: format!(
+                "{}|weights={}",
+                snooze_core::learned::fingerprint(&m.path),
+                weights.as_str()
+            ),
+            weights,
         });
     }
     let gpus = gpu::detect();

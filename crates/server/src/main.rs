@@ -42,6 +42,9 @@ enum Command {
         /// The backend; guessed from the files when omitted.
         #[arg(long, value_parser = ["onnx", "candle"])]
         backend: Option<String>,
+        /// How the weights would be held (ONNX models).
+        #[arg(long, value_parser = ["prepacked", "compact", "mapped"], default_value = "prepacked")]
+        weights: String,
     },
 }
 
@@ -166,13 +169,14 @@ fn guess_backend(path: &std::path::Path) -> &'static str {
     }
 }
 
-fn estimate(path: PathBuf, backend: Option<String>) -> anyhow::Result<()> {
+fn estimate(path: PathBuf, backend: Option<String>, weights: &str) -> anyhow::Result<()> {
     let kind = backend.as_deref().unwrap_or_else(|| guess_backend(&path));
     let backend: Box<dyn snooze_core::Backend> = match kind {
         "candle" => Box::new(snooze_backend_candle::CandleBackend::new()),
         _ => Box::new(snooze_backend_ort::OrtBackend::new(None).map_err(anyhow::Error::msg)?),
     };
-    let e = backend.estimate(&path);
+    let weights = snooze_core::Weights::parse(weights).unwrap_or_default();
+    let e = backend.estimate(&path, weights);
     let show = |b: Option<u64>| {
         b.map_or("indeterminate".to_string(), |b| format!("{} ({b} bytes)", format_bytes(b)))
     };
@@ -223,7 +227,7 @@ fn main() -> ExitCode {
             }
         }
         Command::Check { config, model_dir } => check(config, model_dir),
-        Command::Estimate { path, backend } => estimate(path, backend),
+        Command::Estimate { path, backend, weights } => estimate(path, backend, &weights),
         Command::Dump { command: DumpCommand::Diff { before, after } } => dump_diff(before, after),
     };
     match result {

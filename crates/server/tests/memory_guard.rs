@@ -79,7 +79,14 @@ fn never_oom_killed_under_a_real_memory_limit() {
                     let mut tries = 0;
                     loop {
                         tries += 1;
-                        assert!(tries <= 200, "request for m{} never served", m + 1);
+                        if tries > 200 {
+                            let refusals = s.log_lines("refused");
+                            panic!(
+                                "request for m{} never served; last refusals: {:?}",
+                                m + 1,
+                                &refusals[refusals.len().saturating_sub(3)..]
+                            );
+                        }
                         let r = http
                             .post(s.url(&format!("/v2/models/m{}/infer", m + 1)))
                             .json(&body)

@@ -26,7 +26,14 @@ pub fn model_dir() -> PathBuf {
 }
 
 pub fn spec(dir: PathBuf) -> LoadSpec {
-    LoadSpec { name: "minilm".into(), path: dir, device: Device::Cpu, intra_op_threads: 0, instances: 1 }
+    LoadSpec {
+        name: "minilm".into(),
+        path: dir,
+        device: Device::Cpu,
+        intra_op_threads: 0,
+        instances: 1,
+        weights: snooze_core::Weights::Prepacked,
+    }
 }
 
 #[derive(serde::Deserialize)]

@@ -21,7 +21,35 @@ pub fn model(relative: &str) -> PathBuf {
 }
 
 pub fn cpu(name: &str, path: PathBuf) -> LoadSpec {
-    LoadSpec { name: name.to_owned(), path, device: Device::Cpu, intra_op_threads: 1, instances: 1 }
+    LoadSpec {
+        name: name.to_owned(),
+        path,
+        device: Device::Cpu,
+        intra_op_threads: 1,
+        instances: 1,
+        weights: snooze_core::Weights::Prepacked,
+    }
+}
+
+/// A fresh ORT-format cache directory for one test.
+pub fn cache_dir(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("snooze-ort-cache-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// `/proc/self/status` figures in MiB: (VmRSS, RssAnon, RssFile).
+pub fn rss_parts_mib() -> (f64, f64, f64) {
+    let text = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib = |key: &str| {
+        text.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|n| n.parse::<f64>().ok())
+            .unwrap_or(0.0)
+            / 1024.0
+    };
+    (kib("VmRSS:"), kib("RssAnon:"), kib("RssFile:"))
 }
 
 pub fn rss_mib() -> f64 {

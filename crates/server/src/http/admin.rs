@@ -17,7 +17,14 @@ async fn models(State(state): State<AppState>) -> Response {
     let status = state.manager.status().await;
     let models: Vec<_> = status
         .iter()
-        .map(|s| model_json(s, state.manager.info(&s.name).map(|i| i.backend).unwrap_or("?"), now))
+        .map(|s| {
+            let mut m = model_json(s, state.manager.info(&s.name).map(|i| i.backend).unwrap_or("?"), now);
+            if let Ok(info) = state.manager.info(&s.name) {
+                m["weights"] = json!(info.weights);
+                m["batching"] = json!(info.batchable);
+            }
+            m
+        })
         .collect();
     let mem = &state.memory;
     ok_json(json!({

@@ -148,7 +148,8 @@ impl Server {
 
     /// Waits (bounded) for `pred` on the admin view.
     pub fn wait_for(&self, what: &str, pred: impl Fn(&Server) -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(30);
+        // Generous: first loads convert models to the ORT format, slower on a busy machine.
+        let deadline = Instant::now() + Duration::from_secs(90);
         while !pred(self) {
             assert!(Instant::now() < deadline, "timed out waiting for {what}");
             std::thread::sleep(Duration::from_millis(20));

@@ -1,0 +1,107 @@
+//! The three ways of holding a model's weights give the same outputs; `compact` and
+//! `mapped` are built from an ORT-format copy cached outside the user's files.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::{backend, cache_dir, cpu, model};
+use snooze_core::{Backend, LoadSpec, Tensor, TensorData, Weights};
+
+fn spec(name: &str, weights: Weights) -> LoadSpec {
+    LoadSpec { weights, ..cpu(name, model(name)) }
+}
+
+fn floats(out: &[Tensor]) -> Vec<f32> {
+    match &out[0].data {
+        TensorData::Fp32(v) => v.clone(),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The model's reference row and an 8-row batch of it, scaled row by row.
+fn inputs() -> Vec<Vec<Tensor>> {
+    let text = std::fs::read_to_string(model("mlp-100m-1").join("reference.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let x: Vec<f32> =
+        v["input"]["x"].as_array().unwrap().iter().map(|f| f.as_f64().unwrap() as f32).collect();
+    let rows = x.len() / 256;
+    let eight: Vec<f32> =
+        (0..8).flat_map(|r| x[..256].iter().map(move |f| f * (1.0 + r as f32 / 8.0))).collect();
+    vec![
+        vec![Tensor::new("x", vec![rows as i64, 256], TensorData::Fp32(x))],
+        vec![Tensor::new("x", vec![8, 256], TensorData::Fp32(eight))],
+    ]
+}
+
+#[test]
+fn every_profile_gives_the_same_outputs() {
+    let b = backend().with_cache_dir(cache_dir("outputs"));
+    let run = |w: Weights| {
+        let m = b.load(&spec("mlp-100m-1", w)).unwrap();
+        inputs().iter().map(|i| floats(&m.infer(i, &[]).unwrap())).collect::<Vec<_>>()
+    };
+    let prepacked = run(Weights::Prepacked);
+    let compact = run(Weights::Compact);
+    let mapped = run(Weights::Mapped);
+    assert_eq!(compact, mapped, "the same kernels over the same bytes: bit for bit");
+    // Other kernels (packed GEMM), other summation order: within 1e-5 of the output's scale.
+    for (p, c) in prepacked.iter().zip(&compact) {
+        let scale = p.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let worst = p.iter().zip(c).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(worst <= 1e-5 * scale, "prepacked vs compact differ by {worst:e}, output scale {scale}");
+    }
+    // And the numpy reference.
+    let text = std::fs::read_to_string(model("mlp-100m-1").join("reference.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let want: Vec<f32> =
+        v["output"]["y"].as_array().unwrap().iter().map(|f| f.as_f64().unwrap() as f32).collect();
+    let diff = want.iter().zip(&mapped[0]).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    assert!(diff <= 1e-4, "mapped differs from numpy by {diff}");
+}
+
+#[test]
+fn the_ort_format_copy_is_cached_once_outside_the_users_files() {
+    let dir = cache_dir("once");
+    let b = backend().with_cache_dir(&dir);
+    let folder = model("mlp-10m");
+    let before: Vec<_> = std::fs::read_dir(&folder).unwrap().map(|e| e.unwrap().file_name()).collect();
+    drop(b.load(&spec("mlp-10m", Weights::Mapped)).unwrap());
+    let cached: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(cached.len(), 1, "{cached:?}");
+    assert!(cached[0].extension().is_some_and(|e| e == "ort"), "{cached:?}");
+    let made = std::fs::metadata(&cached[0]).unwrap().modified().unwrap();
+    drop(b.load(&spec("mlp-10m", Weights::Compact)).unwrap());
+    assert_eq!(std::fs::metadata(&cached[0]).unwrap().modified().unwrap(), made, "converted once");
+    let after: Vec<_> = std::fs::read_dir(&folder).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(before, after, "the model's folder is untouched");
+}
+
+#[test]
+fn a_cache_that_cannot_be_written_is_a_clear_error() {
+    let b = backend().with_cache_dir("/proc/snooze-cannot-write-here");
+    let e = match b.load(&spec("mlp-10m", Weights::Mapped)) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("loaded without a cache"),
+    };
+    assert!(
+        e.contains("mlp-10m") && e.contains("mapped") && e.contains("/proc/snooze-cannot-write-here"),
+        "{e}"
+    );
+    // Without any cache directory, the lean profiles say what they need.
+    let e = match backend().load(&spec("mlp-10m", Weights::Compact)) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("loaded without a cache"),
+    };
+    assert!(e.contains("cache directory"), "{e}");
+}
+
+#[test]
+fn mapped_and_compact_estimates_are_about_the_weights() {
+    let b = backend();
+    let path = model("mlp-100m-1");
+    let file = std::fs::metadata(path.join("model.onnx")).unwrap().len();
+    let lean = b.estimate(&path, Weights::Mapped).steady_bytes.unwrap();
+    let prepacked = b.estimate(&path, Weights::Prepacked).steady_bytes.unwrap();
+    assert!(lean < prepacked && lean >= file, "{lean} vs {prepacked}, file {file}");
+}
