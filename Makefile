@@ -11,7 +11,7 @@ STAMP   := $(VENV)/.stamp
 ORT_DYLIB_PATH = $(shell ls $(CURDIR)/$(VENV)/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime.so.1* 2>/dev/null | head -n1)
 export ORT_DYLIB_PATH
 
-.PHONY: run test prepare venv models build bench bench-zipf soak bench-embeddings fmt lint clean
+.PHONY: run test prepare venv models build bench bench-zipf bench-swap soak bench-embeddings fmt lint clean
 
 run: prepare
 	cargo build --release --bin snooze
@@ -45,6 +45,10 @@ bench: prepare
 # Six models under a two-model budget vs all resident; a hot model batched vs unbatched.
 bench-zipf: prepare
 	cargo bench -p snooze-server --bench zipf
+
+# Weights profiles (prepacked, compact, mapped) vs raw ONNX Runtime: memory, load and swap times.
+bench-swap: prepare
+	cargo bench -p snooze-server --bench swap
 
 # 32 clients, eight 100 MB models, a cgroup that holds about three: SNOOZE_SOAK_SECS (600).
 soak: prepare

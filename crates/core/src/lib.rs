@@ -30,4 +30,4 @@ pub use lifecycle::{
 };
 pub mod manager;
 
-pub use manager::{GcReport, ManagerConfig, ModelEntry, ModelInfo, ModelManager};
+pub use manager::{GcReport, ManagerConfig, ModelEntry, ModelInfo, ModelManager, UnloadAudit};

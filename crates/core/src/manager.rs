@@ -90,46 +90,31 @@ pub struct GcReport {
 type UnitReply = oneshot::Sender<Result<(), SnoozeError>>;
 
 pub(crate) enum Command {
-    Submit {
-        sub: Submit,
-        job: Job,
-    },
-    Load {
-        req: RequestId,
-        model: ModelId,
-        reply: UnitReply,
-    },
-    Unload {
-        req: RequestId,
-        model: ModelId,
-        reply: UnitReply,
-    },
-    Collect {
-        req: RequestId,
-        except: Option<ModelId>,
-        reply: oneshot::Sender<Vec<ModelId>>,
-    },
-    Status {
-        reply: oneshot::Sender<Vec<ModelStatus>>,
-    },
-    Cancel {
-        req: RequestId,
-    },
-    RunDone {
-        model: ModelId,
-        reqs: Vec<RequestId>,
-        end: BatchEnd,
-        took: Duration,
-    },
-    LoadDone {
-        model: ModelId,
-        result: Result<(Arc<dyn LoadedModel>, LoadMeasurement), LoadError>,
-        took: Duration,
-    },
-    UnloadDone {
-        model: ModelId,
-    },
+    Submit { sub: Submit, job: Job },
+    Load { req: RequestId, model: ModelId, reply: UnitReply },
+    Unload { req: RequestId, model: ModelId, reply: UnitReply },
+    Collect { req: RequestId, except: Option<ModelId>, reply: oneshot::Sender<Vec<ModelId>> },
+    Status { reply: oneshot::Sender<Vec<ModelStatus>> },
+    Cancel { req: RequestId },
+    RunDone { model: ModelId, reqs: Vec<RequestId>, end: BatchEnd, took: Duration },
+    LoadDone { model: ModelId, result: Result<(Loaded, LoadMeasurement), LoadError>, took: Duration },
+    UnloadDone { model: ModelId },
     Shutdown,
+}
+
+/// A resident instance and what its load added to RSS: an unload should give that back.
+pub(crate) struct Loaded {
+    instance: Arc<dyn LoadedModel>,
+    grew: Option<u64>,
+}
+
+/// Unloads that gave back less memory than their load took (after a second trim).
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct UnloadAudit {
+    pub unloads: u64,
+    pub short: u64,
+    /// The latest shortfall: model, bytes its load took, bytes its unload gave back.
+    pub last_short: Option<(String, u64, u64)>,
 }
 
 /// The handle every transport shares.
@@ -146,6 +131,7 @@ pub struct ModelManager {
     retry_after: Duration,
     pub(crate) pressure: Arc<Mutex<PressureState>>,
     level: watch::Receiver<PressureLevel>,
+    audit: Arc<Mutex<UnloadAudit>>,
 }
 
 /// Cancels a submitted request if its caller stops waiting before the answer.
@@ -206,7 +192,9 @@ impl ModelManager {
         let (drained_tx, drained) = watch::channel(false);
         let (level_tx, level) = watch::channel(PressureLevel::Normal);
         let pressure = Arc::new(Mutex::new(PressureState::default()));
+        let audit = Arc::new(Mutex::new(UnloadAudit::default()));
         let actor = Actor {
+            audit: audit.clone(),
             scheduler,
             backends,
             fingerprints,
@@ -237,6 +225,7 @@ impl ModelManager {
             retry_after,
             pressure,
             level,
+            audit,
         };
         for id in preload {
             let m = manager.clone();
@@ -278,6 +267,11 @@ impl ModelManager {
     /// The memory pressure level now.
     pub fn pressure_level(&self) -> PressureLevel {
         *self.level.borrow()
+    }
+
+    /// How much memory unloads gave back, against what their loads took.
+    pub fn unload_audit(&self) -> UnloadAudit {
+        self.audit.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// A copy of the monitor's readings and alerts.
@@ -440,7 +434,8 @@ struct Actor {
     backends: Vec<(Arc<dyn Backend>, PathBuf, Weights)>,
     fingerprints: Vec<String>,
     store: Option<Arc<FootprintStore>>,
-    loaded: HashMap<ModelId, Arc<dyn LoadedModel>>,
+    loaded: HashMap<ModelId, Loaded>,
+    audit: Arc<Mutex<UnloadAudit>>,
     /// Submitted requests not yet answered, with their data.
     jobs: HashMap<RequestId, Job>,
     replies: HashMap<RequestId, UnitReply>,
@@ -620,7 +615,7 @@ impl Actor {
     fn record_load(
         &mut self,
         model: ModelId,
-        result: Result<(Arc<dyn LoadedModel>, LoadMeasurement), LoadError>,
+        result: Result<(Loaded, LoadMeasurement), LoadError>,
         took: Duration,
     ) -> Result<LoadMeasurement, LoadError> {
         let name = self.scheduler.slot(model).policy.name.clone();
@@ -701,7 +696,7 @@ impl Actor {
         let jobs: Vec<(RequestId, Job)> =
             reqs.iter().filter_map(|r| self.jobs.remove(r).map(|j| (*r, j))).collect();
         let tx = self.tx.clone();
-        let Some(instance) = self.loaded.get(&model).cloned() else {
+        let Some(instance) = self.loaded.get(&model).map(|l| l.instance.clone()) else {
             tracing::error!(model, "dispatched to a model that is not loaded");
             let _ = tx.send(Command::RunDone { model, reqs, end: BatchEnd::Done, took: Duration::ZERO });
             return;
@@ -722,20 +717,36 @@ impl Actor {
     }
 
     fn start_unload(&mut self, model: ModelId, device: Device, reason: UnloadReason, bytes: u64) {
-        let instance = self.loaded.remove(&model);
+        let loaded = self.loaded.remove(&model);
         let name = self.scheduler.slot(model).policy.name.clone();
         let tx = self.tx.clone();
         let gpu = self.device_probe(&device);
+        let audit = self.audit.clone();
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
             let before = memory::process_rss_bytes();
             let gpu_before = gpu.as_ref().map(|p| p.snapshot().process_bytes);
-            drop(instance);
+            let took = loaded.as_ref().and_then(|l| l.grew);
+            drop(loaded);
             memory::trim_heap();
             if let (Some(probe), Some(held)) = (&gpu, gpu_before) {
                 wait_for_gpu_release(probe.as_ref(), held, bytes);
             }
-            let freed = before.saturating_sub(memory::process_rss_bytes());
+            let mut freed = before.saturating_sub(memory::process_rss_bytes());
+            // The memory a load took must come back: if not, trim once more, then say so.
+            let short = |freed: u64| took.is_some_and(|t| freed.saturating_add((16 << 20).max(t / 10)) < t);
+            if short(freed) {
+                memory::trim_heap();
+                freed = before.saturating_sub(memory::process_rss_bytes());
+            }
+            let mut a = audit.lock().unwrap_or_else(|p| p.into_inner());
+            a.unloads += 1;
+            if let (true, Some(t)) = (short(freed), took) {
+                a.short += 1;
+                a.last_short = Some((name.clone(), t, freed));
+                tracing::warn!(model = %name, load_took_bytes = t, freed_bytes = freed, "the unload gave back less memory than the load took");
+            }
+            drop(a);
             tracing::info!(
                 model = %name,
                 %device,
@@ -787,7 +798,7 @@ impl Actor {
                     steady: grew(after).map(|s| s + m.working_bytes() + m.mapped_bytes()),
                     peak: grew(peak),
                 };
-                (m, measured)
+                (Loaded { instance: m, grew: grew(after) }, measured)
             });
             let _ = tx.send(Command::LoadDone { model, result, took: started.elapsed() });
         });

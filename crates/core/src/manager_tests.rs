@@ -266,7 +266,8 @@ async fn requests_queued_behind_a_run_are_batched_and_split_back() {
         let m = s.m.clone();
         async move { m.infer("a", None, rows(1, 0.0), vec![]).await }
     });
-    while s.m.status().await[0].leases == 0 {
+    // Running, not just queued behind the end of the previous run.
+    while s.m.status().await[0].leases == 0 || s.m.status().await[0].queued.iter().sum::<usize>() > 0 {
         tokio::task::yield_now().await;
     }
     let waiting: Vec<_> = (0..7)
@@ -295,7 +296,8 @@ async fn a_caller_that_goes_away_leaves_the_queue_and_its_request_never_runs() {
         let m = s.m.clone();
         async move { m.infer("a", None, rows(1, 0.0), vec![]).await }
     });
-    while s.m.status().await[0].leases == 0 {
+    // Running, not just queued behind the end of the previous run.
+    while s.m.status().await[0].leases == 0 || s.m.status().await[0].queued.iter().sum::<usize>() > 0 {
         tokio::task::yield_now().await;
     }
     let gone = tokio::spawn({
@@ -370,7 +372,8 @@ async fn shutdown_waits_for_runs_then_unloads() {
         let m = s.m.clone();
         async move { m.infer("a", None, rows(1, 0.0), vec![]).await }
     });
-    while s.m.status().await[0].leases == 0 {
+    // Running, not just queued behind the end of the previous run.
+    while s.m.status().await[0].leases == 0 || s.m.status().await[0].queued.iter().sum::<usize>() > 0 {
         tokio::task::yield_now().await;
     }
     let m2 = s.m.clone();
@@ -502,7 +505,8 @@ async fn an_unload_waiting_on_a_long_run_answers_within_the_bound_and_still_happ
         let m = s.m.clone();
         async move { m.infer("a", None, rows(1, 0.0), vec![]).await }
     });
-    while s.m.status().await[0].leases == 0 {
+    // Running, not just queued behind the end of the first run.
+    while s.m.status().await[0].leases == 0 || s.m.status().await[0].queued.iter().sum::<usize>() > 0 {
         tokio::task::yield_now().await;
     }
     let e = s.m.unload("a").await.unwrap_err();

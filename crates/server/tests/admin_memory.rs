@@ -54,6 +54,7 @@ fn stats_gc_dump_and_the_admin_token() {
     assert!(stats["history"].as_array().is_some_and(|h| !h.is_empty()), "readings are kept");
     assert_eq!(stats["level"], "normal");
     assert!(stats["recommendations"].is_array() && stats["alerts"].is_array());
+    assert!(stats["unloads"]["short"].is_u64(), "{}", stats["unloads"]);
 
     let dump_before = s.get("/admin/memory/dump").1;
     assert!(dump_before["allocator"]["arena_bytes"].is_u64(), "{}", dump_before["allocator"]);
@@ -72,6 +73,12 @@ fn stats_gc_dump_and_the_admin_token() {
         "the 100 MB model's memory came back: {gc}"
     );
     assert_eq!(s.model("p")["state"], "ready");
+    let audit = &s.get("/admin/memory/stats").1["unloads"];
+    assert_eq!(
+        (audit["unloads"].as_u64(), audit["short"].as_u64()),
+        (Some(2), Some(0)),
+        "both unloads gave their memory back: {audit}"
+    );
 
     let dump_after = s.get("/admin/memory/dump").1;
     let dir = std::env::temp_dir().join(format!("snooze-dump-{}", std::process::id()));

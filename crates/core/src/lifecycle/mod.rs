@@ -208,6 +208,8 @@ pub struct Scheduler {
     pressure: PressureLevel,
     /// The earliest instant a waiting plan or batch may change by itself.
     wake: Option<Instant>,
+    /// The instant of the event being handled.
+    now: Instant,
     actions: Vec<Action>,
 }
 
@@ -224,6 +226,7 @@ impl Scheduler {
             shutting_down: false,
             pressure: PressureLevel::Normal,
             wake: None,
+            now: Instant::now(),
             actions: Vec::new(),
         }
     }
@@ -299,6 +302,7 @@ impl Scheduler {
 
     /// Feeds one event; returns what to do.
     pub fn handle(&mut self, now: Instant, event: Event) -> Vec<Action> {
+        self.now = now;
         match event {
             Event::Submit(s) => self.on_submit(now, s),
             Event::Load { req, model } => self.on_load(now, req, model),
@@ -339,6 +343,7 @@ impl Scheduler {
     /// Refuses requests that waited `queue_timeout`, unloads models whose keep-alive
     /// ran out, and starts what the passing of time allows.
     pub fn handle_timeout(&mut self, now: Instant) -> Vec<Action> {
+        self.now = now;
         let timeout = self.config.queue_timeout;
         for id in 0..self.slots.len() {
             let Some(cutoff) = now.checked_sub(timeout) else { continue };
@@ -415,6 +420,7 @@ impl Scheduler {
                 None => return self.refuse(sub.req, err),
             }
         }
+        self.slots[model].last_request = Some(now);
         self.enqueue(
             model,
             priority,
@@ -520,6 +526,10 @@ impl Scheduler {
             Err(LoadError::OutOfMemory(msg)) => {
                 // Verified OOM: make room by evicting one more idle model and retry.
                 self.slots[model].state = SlotState::Unloaded;
+                if !self.slots[model].wants_load() {
+                    // A preload: nobody waits for it, and nothing is evicted for it.
+                    return;
+                }
                 if let Some(victim) = self.lru_idle(&device, model, now).first().copied() {
                     self.slots[model].evicted_for += self.slots[victim].resident_bytes();
                     self.begin_unload(victim, UnloadReason::Evicted);
@@ -574,6 +584,7 @@ impl Scheduler {
             s.learned_peak_bytes = Some(p);
         }
         let footprint = s.resident_bytes();
+        s.evicted_at = None;
         s.state = SlotState::Ready { device, last_used: now, loaded_at: now, footprint };
         // It serves what waited for it before anything may evict it.
         s.owed = s.queue.len();

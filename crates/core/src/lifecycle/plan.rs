@@ -15,6 +15,9 @@ use crate::{backend::Device, pressure::PressureLevel};
 
 use super::{refusal, Action, ModelId, Scheduler, SlotState, UnloadReason};
 
+/// Only models that loaded at least this fast are preloaded.
+const PRELOAD_MAX_LOAD_TIME: std::time::Duration = std::time::Duration::from_millis(100);
+
 pub(super) enum Plan {
     Load,
     /// Unload these first; the model keeps its turn meanwhile.
@@ -85,10 +88,18 @@ impl Scheduler {
                 .filter_map(|s| s.device().cloned())
                 .collect();
             let mut moved = false;
-            for device in devices {
-                moved |= self.plan_device(now, &device);
+            for device in &devices {
+                moved |= self.plan_device(now, device);
             }
             if !moved {
+                // Devices nobody waits for may take back a model evicted earlier.
+                let idle: Vec<Device> =
+                    self.config.budgets.keys().filter(|d| !devices.contains(d)).cloned().collect();
+                for device in idle {
+                    if !self.slots.iter().any(|s| s.busy_on(&device)) {
+                        self.preload(&device);
+                    }
+                }
                 return;
             }
         }
@@ -100,7 +111,10 @@ impl Scheduler {
             if self.slots.iter().any(|s| s.busy_on(device)) {
                 return false;
             }
-            let Some(model) = self.next_to_load(device) else { return false };
+            let Some(model) = self.next_to_load(device) else {
+                self.preload(device);
+                return false;
+            };
             match self.plan(model, device, now) {
                 Plan::Load => {
                     let reserved = self.slots[model].admission_bytes().unwrap_or(0);
@@ -110,6 +124,9 @@ impl Scheduler {
                 }
                 Plan::Evict(victims) => {
                     for v in victims {
+                        // Made room, not recovered from an out-of-memory error: it may come
+                        // back when the room is free again (see `preload`).
+                        self.slots[v].evicted_at = Some(now);
                         self.slots[model].evicted_for += self.slots[v].resident_bytes();
                         self.begin_unload(v, UnloadReason::Evicted);
                     }
@@ -145,6 +162,39 @@ impl Scheduler {
                 }
             }
         }
+    }
+
+    /// With nothing waiting to load, brings back the model most recently asked for among
+    /// those evicted to make room — only if it fits now without evicting anything, has
+    /// been asked for within its keep-alive, and loads cheaply (a preload holds the
+    /// device: a slow one would delay a real load).
+    fn preload(&mut self, device: &Device) {
+        let now = self.now;
+        let candidate = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(id, s)| matches!(s.state, SlotState::Unloaded) && !self.unreadable[*id].is_some())
+            .filter(|(_, s)| s.evicted_at.is_some() && s.policy.devices.first() == Some(device))
+            .filter(|(_, s)| s.last_load.is_some_and(|t| t <= PRELOAD_MAX_LOAD_TIME))
+            .filter(|(_, s)| {
+                let recent = match s.policy.keep_alive {
+                    crate::units::KeepAlive::For(d) => d,
+                    crate::units::KeepAlive::Forever => std::time::Duration::from_secs(300),
+                };
+                s.last_request.is_some_and(|t| t + recent > now)
+            })
+            .max_by_key(|(_, s)| s.last_request)
+            .map(|(id, _)| id);
+        let Some(model) = candidate else { return };
+        if self.slots[model].admission_bytes().is_none() || !self.room(model, device).fits(0, 0) {
+            return;
+        }
+        tracing::debug!(model = self.slots[model].name(), "preloading an evicted model: it fits again");
+        self.slots[model].evicted_at = None;
+        let reserved = self.slots[model].admission_bytes().unwrap_or(0);
+        self.slots[model].state = SlotState::Loading { device: device.clone(), reserved };
+        self.push(Action::StartLoad { model, device: device.clone() });
     }
 
     /// The waiting model that loads next on `device`: highest priority, then longest waiting.

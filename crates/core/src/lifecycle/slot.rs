@@ -129,6 +129,10 @@ pub struct ModelSlot {
     pub(super) device_index: usize,
     /// Bytes evicted to make room for this model's pending load.
     pub(super) evicted_for: u64,
+    /// When it was last evicted (cleared when it loads again): a candidate to preload.
+    pub(super) evicted_at: Option<Instant>,
+    /// When a request for it last arrived.
+    pub(super) last_request: Option<Instant>,
     /// Measured on the last load of this process.
     pub measured_bytes: Option<u64>,
     pub measured_peak_bytes: Option<u64>,
@@ -160,6 +164,8 @@ impl ModelSlot {
             owed: 0,
             device_index: 0,
             evicted_for: 0,
+            evicted_at: None,
+            last_request: None,
             measured_bytes: None,
             measured_peak_bytes: None,
             learned_bytes: None,

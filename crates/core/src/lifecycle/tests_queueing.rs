@@ -351,3 +351,34 @@ fn out_of_memory_in_a_run_evicts_idle_models_then_halves_then_refuses() {
     let Action::Reply { result: Err(e), .. } = &after[0] else { panic!() };
     assert!(e.message.contains("half the batch") && e.retry_after.is_some(), "{}", e.message);
 }
+
+#[test]
+fn a_model_evicted_for_another_comes_back_when_it_fits_again_and_only_then() {
+    use crate::units::KeepAlive;
+    let mut h = Harness::with(250, &[("a", 100), ("b", 100), ("big", 200)], |p| {
+        p.keep_alive = KeepAlive::For(Duration::from_secs(if p.name == "big" { 10 } else { 600 }))
+    });
+    h.call("a").unwrap();
+    h.at(1.0);
+    h.call("b").unwrap();
+    h.at(2.0);
+    h.call("big").unwrap(); // evicts a and b
+    assert_eq!(h.evictions(), ["a", "b"]);
+    // big idles out at t=12: room for both again; b (asked for last) comes back first,
+    // then a — nobody asked, nothing was evicted for them.
+    h.at(12.0);
+    let a = h.tick();
+    h.settle(a);
+    assert_eq!(h.loads(), ["a", "b", "big", "b", "a"]);
+    assert_eq!(h.evictions(), ["a", "b"], "a preload evicts nobody");
+    // A model unloaded for idleness is not brought back.
+    let mut h = Harness::with(1000, &[("a", 100)], |p| p.keep_alive = KeepAlive::For(Duration::from_secs(5)));
+    h.call("a").unwrap();
+    h.at(6.0);
+    let a = h.tick();
+    h.settle(a);
+    h.at(7.0);
+    let a = h.tick();
+    h.settle(a);
+    assert_eq!(h.loads(), ["a"]);
+}

@@ -107,6 +107,7 @@ async fn stats(State(state): State<AppState>) -> Response {
             .into_iter()
             .chain(super::auth::exposure_warning(&state.settings.http_address, state.settings.admin_token.as_deref()))
             .collect::<Vec<_>>(),
+        "unloads": state.manager.unload_audit(),
         "requests_in_flight": {
             "bytes": state.request_memory.used(),
             "limit_bytes": state.request_memory.limit(),
