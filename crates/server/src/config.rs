@@ -73,7 +73,7 @@ pub const SERVER_KEYS: &[ServerKey] = &[
     ServerKey { name: "model_dir", default: None, help: "A model repository: every sub-folder holding model.onnx or 1/model.onnx is served under the folder's name.", secret: false },
     key("shutdown_timeout", "30s", "On SIGTERM/SIGINT, how long requests in flight may finish before models are unloaded."),
     key("queue_timeout", "30s", "Longest a request waits in its model's queue (for memory, a load, a free run slot); then 503 + Retry-After."),
-    key("max_swap_delay", "200ms", "Longest a model waiting to load lets resident models serve their queued requests before one of them is evicted anyway; bounds how long a cold model can be starved."),
+    key("max_swap_delay", "200ms", "Longest a model waiting to load lets resident models serve their queued requests before one of them is evicted anyway; bounds how long a cold model can be starved (a cheap swap is due sooner: 4x its measured cost, at least 10 ms)."),
     key("max_concurrent_inferences", "0", "Runs (batches) at once across all models; 0 = no cap."),
     key("intra_op_spinning", "false", "Let ONNX Runtime's shared thread pool spin while waiting for work (measured: no faster under load on 2 cores, and it takes CPU from everything else)."),
     key("acquire_timeout", "120s", "Longest a request waits for its model to load, and a repository load or unload for its model (then 503)."),

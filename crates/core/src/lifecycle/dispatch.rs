@@ -84,6 +84,9 @@ impl Scheduler {
         if let SlotState::Ready { last_used, .. } = &mut s.state {
             *last_used = now;
         }
+        if std::mem::take(&mut s.fresh) {
+            s.first_run = Some(took);
+        }
         let per = took / u32::try_from(reqs.len().max(1)).unwrap_or(u32::MAX);
         s.per_request = Some(s.per_request.map_or(per, |old| (old * 7 + per) / 8));
         let records: Vec<(ModelId, Priority, Queued)> =

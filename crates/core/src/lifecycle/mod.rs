@@ -585,6 +585,7 @@ impl Scheduler {
         }
         let footprint = s.resident_bytes();
         s.evicted_at = None;
+        s.fresh = true;
         s.state = SlotState::Ready { device, last_used: now, loaded_at: now, footprint };
         // It serves what waited for it before anything may evict it.
         s.owed = s.queue.len();

@@ -5,7 +5,8 @@
 //! Order of loads: highest priority waiting first, then longest waiting. Eviction
 //! candidates, from first to last resort: idle models with nothing queued (least
 //! recently used first); models with queued work, once the waiting model has waited
-//! `max_swap_delay` (a swap is due: they stop taking work and are evicted when their
+//! its swap delay (4x its measured swap cost, at most `max_swap_delay`: then a swap is
+//! due: they stop taking work and are evicted when their
 //! runs end). Never evicted: pinned models, models still serving the requests that
 //! waited for their load, models younger than their `min_residency`.
 
@@ -14,6 +15,9 @@ use std::{collections::BTreeSet, time::Instant};
 use crate::{backend::Device, pressure::PressureLevel};
 
 use super::{refusal, Action, ModelId, Scheduler, SlotState, UnloadReason};
+
+/// The shortest wait before a swap is due, however cheap the swap.
+const MIN_SWAP_DELAY: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// Only models that loaded at least this fast are preloaded.
 const PRELOAD_MAX_LOAD_TIME: std::time::Duration = std::time::Duration::from_millis(100);
@@ -197,6 +201,20 @@ impl Scheduler {
         self.push(Action::StartLoad { model, device: device.clone() });
     }
 
+    /// How long `model` lets resident models serve their queues before a swap for it is
+    /// due: four times what its swap costs (its last load plus its first run after that
+    /// load, as measured), at least 10 ms, at most `max_swap_delay`. A swap that costs
+    /// milliseconds (`mapped` weights) is not worth making a request wait 200 ms for; one
+    /// that costs a third of a second is.
+    pub(super) fn swap_delay(&self, model: ModelId) -> std::time::Duration {
+        let s = &self.slots[model];
+        let cap = self.config.max_swap_delay;
+        match (s.last_load, s.first_run) {
+            (Some(load), Some(run)) => ((load + run) * 4).clamp(MIN_SWAP_DELAY.min(cap), cap),
+            _ => cap,
+        }
+    }
+
     /// The waiting model that loads next on `device`: highest priority, then longest waiting.
     fn next_to_load(&self, device: &Device) -> Option<ModelId> {
         self.slots
@@ -265,7 +283,7 @@ impl Scheduler {
             return Plan::Load;
         }
         let overdue =
-            self.waiting_since(&self.slots[model]).is_some_and(|t| t + self.config.max_swap_delay <= now);
+            self.waiting_since(&self.slots[model]).is_some_and(|t| t + self.swap_delay(model) <= now);
         let mut freed = 0;
         let mut chosen = Vec::new();
         let mut drain = Vec::new();
@@ -308,7 +326,7 @@ impl Scheduler {
         now: Instant,
         overdue: bool,
     ) -> Vec<(ModelId, Standing)> {
-        let swap_at = self.waiting_since(&self.slots[except]).map(|t| t + self.config.max_swap_delay);
+        let swap_at = self.waiting_since(&self.slots[except]).map(|t| t + self.swap_delay(except));
         let mut v: Vec<(bool, Instant, ModelId, Standing)> = Vec::new();
         for (id, s) in self.slots.iter().enumerate() {
             let SlotState::Ready { device: d, last_used, loaded_at, .. } = &s.state else { continue };

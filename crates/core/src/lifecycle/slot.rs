@@ -146,6 +146,10 @@ pub struct ModelSlot {
     pub last_error: Option<String>,
     /// Moving average of a request's share of its batch's run time.
     pub(super) per_request: Option<Duration>,
+    /// The first run after the last load (page faults, arenas: part of what a swap costs).
+    pub(super) first_run: Option<Duration>,
+    /// No run finished since the last load.
+    pub(super) fresh: bool,
 }
 
 impl ModelSlot {
@@ -176,6 +180,8 @@ impl ModelSlot {
             last_load: None,
             last_error: None,
             per_request: None,
+            first_run: None,
+            fresh: false,
         }
     }
 

@@ -382,3 +382,23 @@ fn a_model_evicted_for_another_comes_back_when_it_fits_again_and_only_then() {
     h.settle(a);
     assert_eq!(h.loads(), ["a"]);
 }
+
+#[test]
+fn a_swap_that_costs_little_is_due_sooner() {
+    // c loads in 10 ms and its first run takes 4 ms: a swap for it is due after 4 x 14 ms,
+    // not after the 200 ms max_swap_delay.
+    let mut h = Harness::with(250, &[("a", 100), ("b", 100), ("c", 100)], |p| p.max_batch_size = 1);
+    h.call("c").unwrap();
+    assert_eq!(h.s.swap_delay(2), Duration::from_millis(56));
+    h.at(1.0);
+    h.use_model("a").unwrap();
+    h.use_model("b").unwrap(); // c evicted; a and b busy
+    h.submit("a");
+    h.at(1.001);
+    let (_, a) = h.submit("c");
+    assert!(a.is_empty());
+    assert_eq!(h.s.next_deadline(), Some(h.t0 + Duration::from_millis(1057)));
+    // A model never loaded has no measured cost: the full max_swap_delay.
+    let h = Harness::new(250, &[("x", 100)]);
+    assert_eq!(h.s.swap_delay(0), Duration::from_millis(200));
+}
