@@ -720,20 +720,14 @@ fn print_report(reports: &[(Profile, ChildReport)], served: &[Served], onnx_byte
     for s in served {
         let v = served_ms(s);
         let ttfr = median(&v);
+        let blank = "";
         println!(
-            "{:<22} {:>7} {:>7} {:>7} {:>8} {:>8.1} {:>8.1} {:>7.3}x {:>7.3}x {:>7} {:>7} {:>7}",
+            "{:<22} {blank:>7} {blank:>7} {blank:>7} {blank:>8} {:>8.1} {:>8.1} {:>7.3}x {:>7.3}x",
             format!("server, {}", s.weights),
-            "",
-            "",
-            "",
-            "",
             ttfr,
             max(&v),
             ttfr / raw_load,
             ttfr / raw_ttfr,
-            "",
-            "",
-            ""
         );
     }
     println!(
@@ -801,54 +795,43 @@ fn print_cycles(c: &Cycles) {
 }
 
 fn print_targets(reports: &[(Profile, ChildReport)], served: &[Served], c: &Cycles, onnx_bytes: u64) {
-    let verdict = |ok: bool| if ok { "meets" } else { "misses" };
+    let line = |what: &str, value: String, ok: bool| {
+        println!("{what:<56} {value:>10}  {}", if ok { "meets" } else { "misses" });
+    };
     let get = |p: Profile, f: fn(&ChildReport) -> f64| report(reports, p).map_or(f64::NAN, f);
     let ttfr = |r: &ChildReport| median(&r.ttfr_ms);
     let load = |r: &ChildReport| median(&r.load_ms);
+    let served_median =
+        |w: &str| served.iter().find(|s| s.weights == w).map_or(f64::NAN, |s| median(&served_ms(s)));
     let onnx = onnx_bytes as f64 / MIB;
     println!("\nTargets (same run)");
     let compact_rss = get(Profile::Compact, |r| r.rss_mib) / onnx;
-    println!(
-        "resident <= 1.15x weights (compact, RSS ÷ file)       {compact_rss:>8.3}x   {}",
-        verdict(compact_rss <= 1.15)
+    line(
+        "resident <= 1.15x weights (compact, RSS ÷ file)",
+        format!("{compact_rss:.3}x"),
+        compact_rss <= 1.15,
     );
     let mapped_anon = get(Profile::Mapped, |r| r.anon_mib) / onnx;
-    println!(
-        "anon <= 0.1x weights (mapped, RssAnon ÷ file)        {mapped_anon:>8.3}x   {}",
-        verdict(mapped_anon <= 0.1)
-    );
-    let server_mapped =
-        served.iter().find(|s| s.weights == "mapped").map_or(f64::NAN, |s| median(&served_ms(s)));
-    println!(
-        "TTFR after eviction <= 30 ms (mapped, server, median) {server_mapped:>8.1} ms  {}",
-        verdict(server_mapped <= 30.0)
+    line("anon <= 0.1x weights (mapped, RssAnon ÷ file)", format!("{mapped_anon:.3}x"), mapped_anon <= 0.1);
+    let server_mapped = served_median("mapped");
+    line(
+        "TTFR after eviction <= 30 ms (mapped, server, median)",
+        format!("{server_mapped:.1} ms"),
+        server_mapped <= 30.0,
     );
     let raw_load = get(Profile::Raw, load);
     for p in [Profile::Compact, Profile::Mapped] {
         let r = get(p, ttfr) / raw_load;
-        println!(
-            "TTFR <= 0.5x raw session creation ({:<9})       {r:>8.3}x   {}",
-            p.arg(),
-            verdict(r <= 0.5)
-        );
+        line(&format!("TTFR <= 0.5x raw session creation ({})", p.arg()), format!("{r:.3}x"), r <= 0.5);
     }
     let raw_ttfr = get(Profile::Raw, ttfr);
     let prepacked = get(Profile::Prepacked, ttfr) / raw_ttfr;
+    line("TTFR prepacked <= raw creation + first run", format!("{prepacked:.3}x"), prepacked <= 1.0);
     println!(
-        "TTFR prepacked <= raw creation + first run            {prepacked:>8.3}x   {}",
-        verdict(prepacked <= 1.0)
-    );
-    let onnx_row = get(Profile::PrepackedOnnx, ttfr) / raw_ttfr;
-    let server_pre =
-        served.iter().find(|s| s.weights == "prepacked").map_or(f64::NAN, |s| median(&served_ms(s)));
-    println!(
-        "  (info: prepacked from the .onnx {onnx_row:.3}x raw; server prepacked {:.3}x raw)",
-        server_pre / raw_ttfr
+        "  (info: prepacked from the .onnx {:.3}x raw; server prepacked {:.3}x raw)",
+        get(Profile::PrepackedOnnx, ttfr) / raw_ttfr,
+        served_median("prepacked") / raw_ttfr
     );
     let growth = c.rss_after - c.rss_before;
-    println!(
-        "RSS growth over {} cycles < 20 MiB                  {growth:>+8.1} MiB {}",
-        c.n,
-        verdict(growth < 20.0)
-    );
+    line(&format!("RSS growth over {} cycles < 20 MiB", c.n), format!("{growth:+.1} MiB"), growth < 20.0);
 }

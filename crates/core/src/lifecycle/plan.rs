@@ -178,7 +178,7 @@ impl Scheduler {
             .slots
             .iter()
             .enumerate()
-            .filter(|(id, s)| matches!(s.state, SlotState::Unloaded) && !self.unreadable[*id].is_some())
+            .filter(|(id, s)| matches!(s.state, SlotState::Unloaded) && self.unreadable[*id].is_none())
             .filter(|(_, s)| s.evicted_at.is_some() && s.policy.devices.first() == Some(device))
             .filter(|(_, s)| s.last_load.is_some_and(|t| t <= PRELOAD_MAX_LOAD_TIME))
             .filter(|(_, s)| {
