@@ -130,12 +130,13 @@ impl OrtBackend {
         };
         match spec.weights {
             Weights::Prepacked | Weights::Auto => {
-                // An ORT-format copy cached for another profile skips the graph
-                // optimisation a `.onnx` needs; none is made for this one (it would double
-                // the disk the model takes for a third of its load time).
-                let cached =
-                    self.cache_dir.as_deref().and_then(|d| weights::cached_ort_file(file, d, &self.library));
-                let source = cached.unwrap_or_else(|| file.to_path_buf());
+                // The saved prepacked copy (mapped by the runtime), else the `.onnx` as
+                // ONNX Runtime loads it by default.
+                let source = match &self.cache_dir {
+                    Some(dir) => weights::cached_prepacked_file(file, dir, &self.library)
+                        .unwrap_or_else(|| file.to_path_buf()),
+                    None => file.to_path_buf(),
+                };
                 let sessions = (0..n)
                     .map(|_| {
                         builder(true)?
@@ -296,13 +297,20 @@ impl Backend for OrtBackend {
     /// Converts the model to the ORT format once (cached) for `compact` and `mapped`:
     /// its transient memory (about 2.6x a 100 MiB model) is not what a load costs.
     fn prepare(&self, spec: &LoadSpec) -> Result<(), LoadError> {
-        if matches!(spec.weights, Weights::Compact | Weights::Mapped) {
-            let file = resolve_model_file(&spec.path)
-                .map_err(|e| LoadError::Failed(format!("cannot load model '{}': {e}", spec.name)))?;
-            read_signature(&file)?;
-            self.ort_format(&spec.name, &file, spec.weights)?;
+        let file = resolve_model_file(&spec.path)
+            .map_err(|e| LoadError::Failed(format!("cannot load model '{}': {e}", spec.name)))?;
+        read_signature(&file)?;
+        match spec.weights {
+            Weights::Compact | Weights::Mapped => self.ort_format(&spec.name, &file, spec.weights).map(drop),
+            Weights::Prepacked | Weights::Auto => {
+                let Some(dir) = &self.cache_dir else { return Ok(()) };
+                // A copy that cannot be saved only costs load time: load the .onnx.
+                if let Err(e) = weights::prepacked_file(&self.env, &file, dir, &self.library) {
+                    tracing::warn!(model = %spec.name, error = %e, "loading from the .onnx file instead");
+                }
+                Ok(())
+            }
         }
-        Ok(())
     }
 
     fn load(&self, spec: &LoadSpec) -> Result<Arc<dyn LoadedModel>, LoadError> {

@@ -7,10 +7,13 @@
 //! model in the ORT format, handed over as bytes with
 //! `session.use_ort_model_bytes_directly` + `session.use_ort_model_bytes_for_initializers`,
 //! is used in place: initializers point into the bytes, nothing is parsed or copied.
-//! So:
-//! - `prepacked`: the cached ORT file through `commit_from_file` (the runtime's own
-//!   copies, then prepacking) — ONNX Runtime's default behaviour, loaded faster than
-//!   from the `.onnx` because the graph is already optimised;
+//! ONNX Runtime can also save an optimised model whose initializers — prepacked ones
+//! included (`session.save_external_prepacked_constant_initializers`) — sit page-aligned
+//! in an external data file, which it maps on load: the prepacked weights are then page
+//! cache too, and loading skips prepacking (measured: ~115 ms instead of ~300 ms, no
+//! private memory for the weights, runs as fast as ONNX Runtime's default). So:
+//! - `prepacked`: that mapped, prepacked copy (`<name>.prepacked/`); without a cache
+//!   directory, the `.onnx` as ONNX Runtime loads it by default;
 //! - `compact`: the cached ORT file read into one private buffer, used in place, no
 //!   prepacking — about 1.0x the weights, a 100 MiB model in ~55 ms;
 //! - `mapped`: the cached ORT file mapped copy-on-write, used in place, no prepacking —
@@ -71,6 +74,57 @@ impl ModelBytes {
     }
 }
 
+/// The prepacked copy of `onnx` (`model.onnx` + its mapped data) in `cache_dir`, saved
+/// now if it is not there yet.
+pub(crate) fn prepacked_file(
+    env: &Environment,
+    onnx: &Path,
+    cache_dir: &Path,
+    runtime: &Path,
+) -> Result<PathBuf, String> {
+    let dir = cache_dir.join(format!("{}.prepacked", cache_stem(onnx, runtime)));
+    let model = dir.join("model.onnx");
+    if model.is_file() {
+        return Ok(model);
+    }
+    std::fs::create_dir_all(cache_dir).map_err(|e| format!("cannot create {}: {e}", cache_dir.display()))?;
+    let tmp = cache_dir.join(format!("{}.tmp-{}", cache_stem(onnx, runtime), std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
+    let started = std::time::Instant::now();
+    if let Err(e) = save_prepacked(env, onnx, &tmp.join("model.onnx")) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(format!("cannot save a prepacked copy of {}: {e}", onnx.display()));
+    }
+    std::fs::rename(&tmp, &dir)
+        .map_err(|e| format!("cannot move the prepacked copy to {}: {e}", dir.display()))?;
+    tracing::info!(
+        model = %onnx.display(),
+        cache = %dir.display(),
+        duration_ms = started.elapsed().as_millis() as u64,
+        "saved a prepacked copy (once per file version)"
+    );
+    Ok(model)
+}
+
+fn save_prepacked(env: &Environment, onnx: &Path, to: &Path) -> ort::Result<()> {
+    let session = Session::builder(env)?
+        .with_optimization_level(GraphOptimizationLevel::Level2)?
+        .with_config_entry("session.optimized_model_external_initializers_file_name", "model.data")?
+        .with_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")?
+        .with_config_entry("session.save_external_prepacked_constant_initializers", "1")?
+        .with_optimized_model_path(to)?
+        .commit_from_file(onnx)?;
+    drop(session);
+    Ok(())
+}
+
+/// The prepacked copy of `onnx` in `cache_dir`, if one was saved.
+pub(crate) fn cached_prepacked_file(onnx: &Path, cache_dir: &Path, runtime: &Path) -> Option<PathBuf> {
+    Some(cache_dir.join(format!("{}.prepacked", cache_stem(onnx, runtime))).join("model.onnx"))
+        .filter(|p| p.is_file())
+}
+
 /// The ORT-format copy of `onnx` in `cache_dir`, if one was made.
 pub(crate) fn cached_ort_file(onnx: &Path, cache_dir: &Path, runtime: &Path) -> Option<PathBuf> {
     Some(cache_dir.join(cache_name(onnx, runtime))).filter(|p| p.is_file())
@@ -119,9 +173,13 @@ fn convert(env: &Environment, onnx: &Path, to: &Path) -> ort::Result<()> {
     Ok(())
 }
 
-/// `<stem>-<hash>.ort`: the hash covers the files' fingerprint (size and modification
-/// time of the model and its external data), its path and the runtime library.
 fn cache_name(onnx: &Path, runtime: &Path) -> String {
+    format!("{}.ort", cache_stem(onnx, runtime))
+}
+
+/// `<stem>-<hash>`: the hash covers the files' fingerprint (size and modification time
+/// of the model and its external data), its path and the runtime library.
+fn cache_stem(onnx: &Path, runtime: &Path) -> String {
     let mut h = DefaultHasher::new();
     snooze_core::learned::fingerprint(onnx).hash(&mut h);
     std::fs::canonicalize(onnx).unwrap_or_else(|_| onnx.to_path_buf()).hash(&mut h);
@@ -134,5 +192,5 @@ fn cache_name(onnx: &Path, runtime: &Path) -> String {
         .chars()
         .filter(|c| c.is_ascii_alphanumeric() || "-_.".contains(*c))
         .collect::<String>();
-    format!("{stem}-{:016x}.ort", h.finish())
+    format!("{stem}-{:016x}", h.finish())
 }

@@ -99,6 +99,7 @@ pub(crate) enum Command {
     RunDone { model: ModelId, reqs: Vec<RequestId>, end: BatchEnd, took: Duration },
     LoadDone { model: ModelId, result: Result<(Loaded, LoadMeasurement), LoadError>, took: Duration },
     UnloadDone { model: ModelId },
+    PromoteDone { model: ModelId, result: Result<(Loaded, LoadMeasurement), LoadError> },
     Shutdown,
 }
 
@@ -606,6 +607,16 @@ impl Actor {
                 self.refresh_probe();
                 Event::UnloadFinished { model }
             }
+            Command::PromoteDone { model, result } => {
+                let name = self.scheduler.slot(model).policy.name.clone();
+                let result = result.map(|(loaded, measured)| {
+                    tracing::info!(model = %name, bytes = measured.steady, "promoted: now serving from its prepacked copy");
+                    // The old instance goes when its runs in flight end.
+                    self.loaded.insert(model, loaded);
+                    measured
+                });
+                Event::PromoteFinished { model, result }
+            }
             Command::Shutdown => Event::Shutdown,
         };
         self.scheduler.handle(now(), event)
@@ -656,7 +667,8 @@ impl Actor {
     fn execute(&mut self, actions: Vec<Action>) {
         for action in actions {
             match action {
-                Action::StartLoad { model, device } => self.start_load(model, device),
+                Action::StartLoad { model, device } => self.start_load(model, device, false),
+                Action::StartPromote { model, device } => self.start_load(model, device, true),
                 Action::StartUnload { model, device, reason, bytes } => {
                     self.start_unload(model, device, reason, bytes)
                 }
@@ -763,8 +775,11 @@ impl Actor {
         });
     }
 
-    fn start_load(&mut self, model: ModelId, device: Device) {
+    /// Loads the model on a blocking thread, measured; `promote`: a second instance in its
+    /// prepacked form, for a model that keeps serving meanwhile.
+    fn start_load(&mut self, model: ModelId, device: Device, promote: bool) {
         let (backend, path, weights) = self.backends[model].clone();
+        let weights = if promote { Weights::Prepacked } else { weights };
         let policy = &self.scheduler.slot(model).policy;
         let spec = LoadSpec {
             name: policy.name.clone(),
@@ -800,7 +815,12 @@ impl Actor {
                 };
                 (Loaded { instance: m, grew: grew(after) }, measured)
             });
-            let _ = tx.send(Command::LoadDone { model, result, took: started.elapsed() });
+            let took = started.elapsed();
+            let _ = tx.send(if promote {
+                Command::PromoteDone { model, result }
+            } else {
+                Command::LoadDone { model, result, took }
+            });
         });
     }
 }

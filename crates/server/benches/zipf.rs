@@ -228,8 +228,16 @@ fn execute(run: &Run) -> Outcome {
         };
     }
     // `SNOOZE_ZIPF_SERVER_ARGS` adds flags to every server (e.g. `--intra-op-spinning false`).
+    // Every server keeps its state (the ORT-format and prepacked copies of the models) in
+    // one directory that outlives the run, as a server's state_dir does: the first run
+    // after `make clean` converts the models (during warm-up); later ones start warm.
+    let state = std::env::temp_dir().join("snooze-zipf-state");
     let extra = std::env::var("SNOOZE_ZIPF_SERVER_ARGS").unwrap_or_default();
-    let extra: Vec<&str> = extra.split_whitespace().collect();
+    let mut extra: Vec<&str> = extra.split_whitespace().collect();
+    let state_arg = state.display().to_string();
+    if !extra.contains(&"--state-dir") {
+        extra.extend(["--state-dir", state_arg.as_str()]);
+    }
     let server = match std::panic::catch_unwind(|| Server::start(run.id, &run.config, &extra)) {
         Ok(s) => s,
         // In case a build checks the key only when serving (the panic carries its logs).

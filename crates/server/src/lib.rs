@@ -65,12 +65,12 @@ impl Backends {
     }
 }
 
-/// `weights = "auto"` decided per model: `prepacked` (ONNX Runtime's default, the
-/// fastest batches) when every configured model fits the budget at once and
-/// `max_loaded_models` does not cap them — nothing will be evicted, so its slow loads
-/// are rare — and the model batches (`max_batch_size > 1`: prepacking only pays on
-/// batches); otherwise `mapped`, whose swaps cost milliseconds and whose resident
-/// weights are page cache, not a private copy. Measured: see bench/README.md.
+/// `weights = "auto"` decided per model: `prepacked` (the fastest batches) when every
+/// configured model fits the budget at once and `max_loaded_models` does not cap them —
+/// nothing will be evicted, so its slower loads are rare — and the model batches
+/// (`max_batch_size > 1`: prepacking only pays on batches); otherwise `mapped`, whose
+/// swaps cost milliseconds, promoted in place to `prepacked` once it stays and batches
+/// (see the scheduler's `promote`). Measured: see bench/README.md.
 fn resolve_weights(
     config: &Config,
     backends: &Backends,
@@ -155,6 +155,9 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
             batch_delay: m.batch_delay,
             max_concurrency: m.max_concurrency,
             priority: m.priority,
+            // `auto` chose the quick-to-swap form: a model that then stays and batches
+            // is reloaded in place in the fast one.
+            promotable: m.weights == Weights::Auto && weights == Weights::Mapped && m.max_batch_size > 1,
         };
         models.push(ModelEntry {
             policy,

@@ -58,6 +58,9 @@ impl Scheduler {
             let max_rows = if head.retry == Retry::Halved { (head.rows / 2).max(1) } else { max };
             let s = &mut self.slots[model];
             let batch = s.queue.take_batch(max);
+            if batch.iter().map(|(_, q)| q.rows).sum::<u32>() > 1 {
+                s.batched_runs = s.batched_runs.saturating_add(1);
+            }
             s.running += 1;
             s.owed = s.owed.saturating_sub(batch.len());
             self.running += 1;

@@ -148,6 +148,8 @@ pub enum Event {
     LoadFinished { model: ModelId, result: Result<LoadMeasurement, LoadError>, took: Duration },
     /// An unload ended and its memory was given back.
     UnloadFinished { model: ModelId },
+    /// A promotion ended: the model now serves from its fast form (or stays as it was).
+    PromoteFinished { model: ModelId, result: Result<LoadMeasurement, LoadError> },
     /// Unload every idle model but `except` (pinned ones too when `include_pinned`);
     /// answered with [`Action::Collected`] once they are all gone.
     Collect { req: RequestId, except: Option<ModelId>, include_pinned: bool, reason: UnloadReason },
@@ -173,6 +175,9 @@ pub struct LoadMeasurement {
 pub enum Action {
     /// Start loading the model on the device (on a blocking thread).
     StartLoad { model: ModelId, device: Device },
+    /// Load a second instance of a resident model in its fast form while the first keeps
+    /// serving; swap them, then send `PromoteFinished`.
+    StartPromote { model: ModelId, device: Device },
     /// Drop the model, trim the heap, then send `UnloadFinished`.
     StartUnload { model: ModelId, device: Device, reason: UnloadReason, bytes: u64 },
     /// Run these requests as one batch, in micro-batches of at most `max_rows` rows,
@@ -313,6 +318,7 @@ impl Scheduler {
             }
             Event::LoadFinished { model, result, took } => self.on_load_finished(now, model, result, took),
             Event::UnloadFinished { model } => self.on_unload_finished(now, model),
+            Event::PromoteFinished { model, result } => self.on_promote_finished(model, result),
             Event::Collect { req, except, include_pinned, reason } => {
                 self.on_collect(req, except, include_pinned, reason)
             }
@@ -586,11 +592,34 @@ impl Scheduler {
         let footprint = s.resident_bytes();
         s.evicted_at = None;
         s.fresh = true;
+        s.batched_runs = 0;
+        s.promoted = false;
         s.state = SlotState::Ready { device, last_used: now, loaded_at: now, footprint };
         // It serves what waited for it before anything may evict it.
         s.owed = s.queue.len();
         for (req, _) in std::mem::take(&mut s.load_waiters) {
             self.actions.push(Action::Reply { req, result: Ok(()) });
+        }
+        self.maybe_unload_after_work(model);
+    }
+
+    fn on_promote_finished(&mut self, model: ModelId, result: Result<LoadMeasurement, LoadError>) {
+        let s = &mut self.slots[model];
+        s.promoting = None;
+        // Failed or not, not tried again until the next load.
+        s.promoted = true;
+        match result {
+            Ok(measured) => {
+                if let (Some(bytes), SlotState::Ready { footprint, .. }) = (measured.steady, &mut s.state) {
+                    if s.policy.memory.is_none() {
+                        *footprint = bytes;
+                        s.measured_bytes = Some(bytes);
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(model = %s.policy.name, error = %e, "promotion failed: the model keeps serving as it was")
+            }
         }
         self.maybe_unload_after_work(model);
     }
@@ -741,7 +770,8 @@ impl Scheduler {
     fn begin_unload(&mut self, model: ModelId, reason: UnloadReason) {
         let s = &mut self.slots[model];
         let SlotState::Ready { device, footprint, .. } = &s.state else { return };
-        if s.running > 0 {
+        // A promotion in flight ends first (then `on_promote_finished` looks again).
+        if s.running > 0 || s.promoting.is_some() {
             return;
         }
         let (device, bytes) = (device.clone(), *footprint);

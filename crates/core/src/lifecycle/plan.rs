@@ -16,6 +16,11 @@ use crate::{backend::Device, pressure::PressureLevel};
 
 use super::{refusal, Action, ModelId, Scheduler, SlotState, UnloadReason};
 
+/// A lean model is promoted only after it stayed this long ...
+const PROMOTE_AFTER: std::time::Duration = std::time::Duration::from_millis(500);
+/// ... and ran this many batches of several rows.
+const PROMOTE_AFTER_BATCHES: u32 = 8;
+
 /// The shortest wait before a swap is due, however cheap the swap.
 const MIN_SWAP_DELAY: std::time::Duration = std::time::Duration::from_millis(10);
 
@@ -100,7 +105,7 @@ impl Scheduler {
                 let idle: Vec<Device> =
                     self.config.budgets.keys().filter(|d| !devices.contains(d)).cloned().collect();
                 for device in idle {
-                    if !self.slots.iter().any(|s| s.busy_on(&device)) {
+                    if !self.slots.iter().any(|s| s.busy_on(&device)) && !self.promote(&device, now) {
                         self.preload(&device);
                     }
                 }
@@ -116,7 +121,9 @@ impl Scheduler {
                 return false;
             }
             let Some(model) = self.next_to_load(device) else {
-                self.preload(device);
+                if !self.promote(device, now) {
+                    self.preload(device);
+                }
                 return false;
             };
             match self.plan(model, device, now) {
@@ -166,6 +173,40 @@ impl Scheduler {
                 }
             }
         }
+    }
+
+    /// With nothing waiting to load on a quiet device, reloads a resident lean model in
+    /// its fast form while it keeps serving, once it shows it stays and batches: loaded
+    /// at least `PROMOTE_AFTER` ago, `PROMOTE_AFTER_BATCHES` runs of several rows since,
+    /// and room for a second instance without evicting anything. Returns true if one
+    /// started.
+    fn promote(&mut self, device: &Device, now: Instant) -> bool {
+        let candidate = self.slots.iter().enumerate().find(|(_, s)| match &s.state {
+            SlotState::Ready { device: d, loaded_at, .. } => {
+                d == device
+                    && s.policy.promotable
+                    && !s.promoted
+                    && s.promoting.is_none()
+                    && !s.closed()
+                    && *loaded_at + PROMOTE_AFTER <= now
+                    && s.batched_runs >= PROMOTE_AFTER_BATCHES
+            }
+            _ => false,
+        });
+        let Some((model, s)) = candidate else { return false };
+        let extra = s.resident_bytes();
+        let room = self.room(model, device);
+        let fits = extra.saturating_add(room.headroom) <= room.budget_free.min(room.probe_free);
+        if !fits {
+            return false;
+        }
+        tracing::debug!(
+            model = s.name(),
+            "promoting: it stays and batches, and there is room for a second instance"
+        );
+        self.slots[model].promoting = Some(extra);
+        self.push(Action::StartPromote { model, device: device.clone() });
+        true
     }
 
     /// With nothing waiting to load, brings back the model most recently asked for among
@@ -336,7 +377,7 @@ impl Scheduler {
             let old_at = *loaded_at + s.policy.min_residency;
             let standing = if old_at > now {
                 Standing::Until(old_at)
-            } else if s.owed.min(s.queue.len()) > 0 {
+            } else if s.owed.min(s.queue.len()) > 0 || s.promoting.is_some() {
                 Standing::Owed
             } else if s.running > 0 && overdue {
                 Standing::Running

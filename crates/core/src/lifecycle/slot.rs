@@ -39,6 +39,10 @@ pub struct ModelPolicy {
     pub max_concurrency: u32,
     /// The priority of requests that do not name one.
     pub priority: Priority,
+    /// It loads lean (quick to swap, slower on batches) and may be reloaded, while it
+    /// keeps serving, in a form that is slow to load but fast on batches once it shows
+    /// it stays and batches (see `plan::promote`).
+    pub promotable: bool,
 }
 
 impl ModelPolicy {
@@ -59,6 +63,7 @@ impl ModelPolicy {
             batch_delay: Duration::ZERO,
             max_concurrency: 1,
             priority: Priority::Normal,
+            promotable: false,
         }
     }
 }
@@ -150,6 +155,12 @@ pub struct ModelSlot {
     pub(super) first_run: Option<Duration>,
     /// No run finished since the last load.
     pub(super) fresh: bool,
+    /// Runs of more than one row since the last load.
+    pub(super) batched_runs: u32,
+    /// Being reloaded in its fast form: the bytes held for the second instance meanwhile.
+    pub(super) promoting: Option<u64>,
+    /// Serving from its fast form since the last load (or a promotion failed: not retried).
+    pub(super) promoted: bool,
 }
 
 impl ModelSlot {
@@ -182,6 +193,9 @@ impl ModelSlot {
             per_request: None,
             first_run: None,
             fresh: false,
+            batched_runs: 0,
+            promoting: None,
+            promoted: false,
         }
     }
 
@@ -241,18 +255,21 @@ impl ModelSlot {
     pub(super) fn held_on(&self, on: &Device) -> Option<u64> {
         match &self.state {
             SlotState::Loading { device, reserved } if device == on => Some(*reserved),
-            SlotState::Ready { device, footprint, .. } | SlotState::Unloading { device, footprint, .. }
-                if device == on =>
-            {
-                Some(*footprint)
+            SlotState::Ready { device, footprint, .. } if device == on => {
+                Some(footprint + self.promoting.unwrap_or(0))
             }
+            SlotState::Unloading { device, footprint, .. } if device == on => Some(*footprint),
             _ => None,
         }
     }
 
     /// Loading or unloading on `device`: the device is not quiet.
     pub(super) fn busy_on(&self, on: &Device) -> bool {
-        matches!(&self.state, SlotState::Loading { device, .. } | SlotState::Unloading { device, .. } if device == on)
+        match &self.state {
+            SlotState::Loading { device, .. } | SlotState::Unloading { device, .. } => device == on,
+            SlotState::Ready { device, .. } => device == on && self.promoting.is_some(),
+            _ => false,
+        }
     }
 
     pub fn is_ready(&self) -> bool {

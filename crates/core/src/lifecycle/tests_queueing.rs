@@ -402,3 +402,55 @@ fn a_swap_that_costs_little_is_due_sooner() {
     let h = Harness::new(250, &[("x", 100)]);
     assert_eq!(h.s.swap_delay(0), Duration::from_millis(200));
 }
+
+#[test]
+fn a_lean_model_that_stays_and_batches_is_promoted_in_place_when_there_is_room() {
+    let mut h = Harness::with(1000, &[("a", 100), ("b", 100)], |p| {
+        p.promotable = true;
+        p.max_batch_size = 8;
+    });
+    let run_batches = |h: &mut Harness, n: usize| {
+        for _ in 0..n {
+            let (r1, _) = h.submit_with("a", None, 2, Some(1));
+            h.finish(r1);
+        }
+    };
+    h.call("a").unwrap();
+    run_batches(&mut h, 8);
+    assert!(!h.log.iter().any(|a| matches!(a, Action::StartPromote { .. })), "too young (0.5 s)");
+    h.at(1.0);
+    let a = h.tick();
+    assert_eq!(a, [Action::StartPromote { model: 0, device: Device::Cpu }]);
+    assert_eq!(h.s.accounted(&Device::Cpu), 200 * MB, "room held for the second instance");
+    // Requests keep running meanwhile; a load for b waits for the quiet device.
+    let (r, a) = h.submit_with("a", None, 1, Some(1));
+    assert_eq!(dispatches(&a), [(0, vec![r], 8)]);
+    let (_, a) = h.submit("b");
+    assert!(a.is_empty(), "the device is busy promoting");
+    let a = h.feed(Event::PromoteFinished {
+        model: 0,
+        result: Ok(LoadMeasurement { steady: Some(90 * MB), peak: None }),
+    });
+    assert!(matches!(a[..], [Action::StartLoad { model: 1, .. }]), "{a:?}");
+    assert_eq!(h.s.slot(0).measured_bytes, Some(90 * MB));
+    // Once only per load.
+    h.finish(r);
+    run_batches(&mut h, 10);
+    h.at(5.0);
+    assert!(!h.tick().iter().any(|a| matches!(a, Action::StartPromote { .. })));
+}
+
+#[test]
+fn no_promotion_without_room_for_the_second_instance() {
+    let mut h = Harness::with(150, &[("a", 100)], |p| {
+        p.promotable = true;
+        p.max_batch_size = 8;
+    });
+    h.call("a").unwrap();
+    for _ in 0..8 {
+        let (r, _) = h.submit_with("a", None, 2, Some(1));
+        h.finish(r);
+    }
+    h.at(2.0);
+    assert!(!h.tick().iter().any(|a| matches!(a, Action::StartPromote { .. })));
+}
