@@ -87,6 +87,9 @@ fn batch_rows(inputs: &[Tensor]) -> Option<usize> {
 pub(crate) struct Job {
     pub payload: Payload,
     pub reply: oneshot::Sender<Result<Output, SnoozeError>>,
+    /// When it was submitted (its queue wait is measured from here).
+    pub submitted: std::time::Instant,
+    pub model: crate::lifecycle::ModelId,
 }
 
 /// How a run ended.
@@ -418,7 +421,7 @@ mod tests {
 
     fn job(p: Payload) -> (Job, oneshot::Receiver<Result<Output, SnoozeError>>) {
         let (reply, rx) = oneshot::channel();
-        (Job { payload: p, reply }, rx)
+        (Job { payload: p, reply, submitted: std::time::Instant::now(), model: 0 }, rx)
     }
 
     fn y(rx: &mut oneshot::Receiver<Result<Output, SnoozeError>>) -> Vec<f32> {

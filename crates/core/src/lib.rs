@@ -9,6 +9,7 @@
 
 pub mod backend;
 pub mod error;
+pub mod events;
 pub mod execution;
 pub mod memory;
 pub mod pressure;

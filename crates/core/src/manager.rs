@@ -22,6 +22,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::{
     backend::{Backend, Device, EmbedInput, Embeddings, LoadError, LoadSpec, LoadedModel, Task, Weights},
     error::{ErrorKind, SnoozeError},
+    events::{metric, EventKind, EventLog, LifecycleEvent},
     execution::{self, BatchEnd, Job, Output, Payload},
     learned::{FootprintStore, LearnedFootprint},
     lifecycle::{
@@ -133,6 +134,7 @@ pub struct ModelManager {
     pub(crate) pressure: Arc<Mutex<PressureState>>,
     level: watch::Receiver<PressureLevel>,
     audit: Arc<Mutex<UnloadAudit>>,
+    events: Arc<EventLog>,
 }
 
 /// Cancels a submitted request if its caller stops waiting before the answer.
@@ -194,8 +196,10 @@ impl ModelManager {
         let (level_tx, level) = watch::channel(PressureLevel::Normal);
         let pressure = Arc::new(Mutex::new(PressureState::default()));
         let audit = Arc::new(Mutex::new(UnloadAudit::default()));
+        let events = Arc::new(EventLog::default());
         let actor = Actor {
             audit: audit.clone(),
+            events: events.clone(),
             scheduler,
             backends,
             fingerprints,
@@ -227,6 +231,7 @@ impl ModelManager {
             pressure,
             level,
             audit,
+            events,
         };
         for id in preload {
             let m = manager.clone();
@@ -268,6 +273,11 @@ impl ModelManager {
     /// The memory pressure level now.
     pub fn pressure_level(&self) -> PressureLevel {
         *self.level.borrow()
+    }
+
+    /// Loads, evictions, unloads and refusals after `since_ms` (Unix milliseconds).
+    pub fn events(&self, since_ms: u64) -> Vec<LifecycleEvent> {
+        self.events.since(since_ms)
     }
 
     /// How much memory unloads gave back, against what their loads took.
@@ -324,7 +334,7 @@ impl ModelManager {
         let (reply, rx) = oneshot::channel();
         self.send(Command::Submit {
             sub: Submit { req, model, priority, rows, key },
-            job: Job { payload, reply },
+            job: Job { payload, reply, submitted: Instant::now(), model },
         });
         let mut guard = CancelOnDrop { manager: self, req, armed: true };
         let answer = rx.await;
@@ -437,6 +447,7 @@ struct Actor {
     store: Option<Arc<FootprintStore>>,
     loaded: HashMap<ModelId, Loaded>,
     audit: Arc<Mutex<UnloadAudit>>,
+    events: Arc<EventLog>,
     /// Submitted requests not yet answered, with their data.
     jobs: HashMap<RequestId, Job>,
     replies: HashMap<RequestId, UnitReply>,
@@ -504,6 +515,7 @@ impl Actor {
             accounted_bytes: self.scheduler.accounted(&Device::Cpu),
             budget_bytes: budget,
             level: self.thresholds.level(snap.process_bytes, budget),
+            models: self.scheduler.holding(&Device::Cpu),
         };
         let level = self.pressure.lock().unwrap_or_else(|p| p.into_inner()).record(reading);
         let mut actions = Vec::new();
@@ -611,6 +623,7 @@ impl Actor {
                 let name = self.scheduler.slot(model).policy.name.clone();
                 let result = result.map(|(loaded, measured)| {
                     tracing::info!(model = %name, bytes = measured.steady, "promoted: now serving from its prepacked copy");
+                    self.events.record(&name, EventKind::Promoted, "prepacked", measured.steady);
                     // The old instance goes when its runs in flight end.
                     self.loaded.insert(model, loaded);
                     measured
@@ -630,8 +643,22 @@ impl Actor {
         took: Duration,
     ) -> Result<LoadMeasurement, LoadError> {
         let name = self.scheduler.slot(model).policy.name.clone();
+        let outcome = match &result {
+            Ok(_) => "ok",
+            Err(LoadError::OutOfMemory(_)) => "out_of_memory",
+            Err(LoadError::Failed(_)) => "failed",
+        };
+        metrics::counter!(metric::LOADS, "model" => name.clone(), "outcome" => outcome).increment(1);
         match result {
             Ok((instance, measured)) => {
+                metrics::histogram!(metric::LOAD_DURATION, "model" => name.clone())
+                    .record(took.as_secs_f64());
+                self.events.record(
+                    &name,
+                    EventKind::Loaded,
+                    self.backends[model].2.as_str(),
+                    measured.steady,
+                );
                 tracing::info!(
                     model = %name,
                     bytes = measured.steady,
@@ -658,6 +685,7 @@ impl Actor {
                 Ok(measured)
             }
             Err(e) => {
+                self.events.record(&name, EventKind::LoadFailed, e.to_string(), None);
                 tracing::error!(model = %name, error = %e, duration_ms = took.as_millis() as u64, "model load failed");
                 Err(e)
             }
@@ -686,6 +714,10 @@ impl Actor {
     fn reply(&mut self, req: RequestId, result: Result<(), SnoozeError>) {
         if let Some(job) = self.jobs.remove(&req) {
             if let Err(e) = result {
+                let name = self.scheduler.slot(job.model).policy.name.clone();
+                metrics::counter!(metric::REFUSALS, "model" => name.clone(), "reason" => e.kind.code())
+                    .increment(1);
+                self.events.record(&name, EventKind::Refused, e.kind.code(), None);
                 if matches!(
                     e.kind,
                     ErrorKind::InsufficientMemory | ErrorKind::QueueFull | ErrorKind::Overloaded
@@ -707,6 +739,11 @@ impl Actor {
     fn start_run(&mut self, model: ModelId, reqs: Vec<RequestId>, max_rows: u32) {
         let jobs: Vec<(RequestId, Job)> =
             reqs.iter().filter_map(|r| self.jobs.remove(r).map(|j| (*r, j))).collect();
+        let name = self.scheduler.slot(model).policy.name.clone();
+        for (_, job) in &jobs {
+            metrics::histogram!(metric::QUEUE_WAIT, "model" => name.clone())
+                .record(job.submitted.elapsed().as_secs_f64());
+        }
         let tx = self.tx.clone();
         let Some(instance) = self.loaded.get(&model).map(|l| l.instance.clone()) else {
             tracing::error!(model, "dispatched to a model that is not loaded");
@@ -734,6 +771,16 @@ impl Actor {
         let tx = self.tx.clone();
         let gpu = self.device_probe(&device);
         let audit = self.audit.clone();
+        let reason_name = match reason {
+            UnloadReason::Evicted => "evicted",
+            UnloadReason::Idle => "idle",
+            UnloadReason::Requested => "requested",
+            UnloadReason::Pressure => "pressure",
+            UnloadReason::Shutdown => "shutdown",
+            UnloadReason::Failed => "failed",
+        };
+        metrics::counter!(metric::UNLOADS, "model" => name.clone(), "reason" => reason_name).increment(1);
+        self.events.record(&name, EventKind::Unloaded, reason_name, Some(bytes));
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
             let before = memory::process_rss_bytes();

@@ -60,7 +60,7 @@ impl Thresholds {
 }
 
 /// One look at the host's memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct MemoryReading {
     pub unix_ms: u64,
     pub process_bytes: u64,
@@ -69,6 +69,8 @@ pub struct MemoryReading {
     pub accounted_bytes: u64,
     pub budget_bytes: u64,
     pub level: PressureLevel,
+    /// Bytes accounted to each model holding memory (resident, loading or unloading).
+    pub models: Vec<(String, u64)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -97,7 +99,7 @@ impl PressureState {
         while self.history.front().is_some_and(|old| old.unix_ms + WINDOW_MS < r.unix_ms) {
             self.history.pop_front();
         }
-        self.history.push_back(r);
+        self.history.push_back(r.clone());
         for a in self.alerts.iter_mut().filter(|a| a.resolved_unix_ms.is_none() && r.level < a.level) {
             a.resolved_unix_ms = Some(r.unix_ms);
         }
@@ -143,6 +145,7 @@ mod tests {
             accounted_bytes: used,
             budget_bytes: 100,
             level: t.level(used, 100),
+            models: Vec::new(),
         }
     }
 

@@ -2,6 +2,7 @@
 //! (KServe v2 REST, OpenAI embeddings, admin) and the glue that builds a
 //! [`ModelManager`] from a [`Config`]. The `snooze` binary is a thin CLI over this.
 
+pub mod client;
 pub mod config;
 pub mod dump;
 pub mod gpu;
@@ -109,6 +110,8 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
             "low-RAM mode: one malloc arena, 64 KiB mmap threshold, trim after large requests"
         );
     }
+    // Installed before anything is recorded: the counters start at the first event.
+    http::metrics::handle();
     let backends = Backends::for_config(config)?;
     let probe = Arc::new(HostProbe::new());
     let snap = probe.snapshot();

@@ -4,7 +4,10 @@ use std::{path::PathBuf, process::ExitCode};
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use snooze_core::units::format_bytes;
-use snooze_server::config::{self, RawServer, DEFAULT_CONFIG};
+use snooze_server::{
+    client,
+    config::{self, RawServer, DEFAULT_CONFIG},
+};
 
 /// SnoozeML: serve many ML models from a machine that cannot hold them all at once.
 ///
@@ -18,6 +21,17 @@ struct Cli {
     command: Command,
 }
 
+/// Where a running server is, for the client commands.
+#[derive(clap::Args)]
+struct Remote {
+    /// The server's address.
+    #[arg(long, env = "SNOOZE_URL", default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// The server's admin token, when it has one.
+    #[arg(long, env = "SNOOZE_ADMIN_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Start the server (KServe v2 REST, OpenAI /v1/embeddings, admin API).
@@ -29,6 +43,44 @@ enum Command {
         /// Also resolve this model repository, like `serve --model-dir`.
         #[arg(long)]
         model_dir: Option<PathBuf>,
+    },
+    /// List the models of a running server: state, device, memory, leases, queue, unload time.
+    Ps {
+        #[command(flatten)]
+        remote: Remote,
+        /// Print the admin API's JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Load a model on a running server (waits until it is ready).
+    Load {
+        name: String,
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// Unload a model on a running server (waits for its requests to finish).
+    Unload {
+        name: String,
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// Unload every idle model of a running server and give memory back to the OS.
+    Gc {
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// Memory of a running server: budget, process, accounted, available, alerts.
+    Stats {
+        #[command(flatten)]
+        remote: Remote,
+        /// Print the admin API's JSON instead of a summary.
+        #[arg(long)]
+        json: bool,
+    },
+    /// `stats` and `ps`, refreshed every second until Ctrl-C.
+    Top {
+        #[command(flatten)]
+        remote: Remote,
     },
     /// Work with `/admin/memory/dump` snapshots.
     Dump {
@@ -46,6 +98,12 @@ enum Command {
         #[arg(long, value_parser = ["prepacked", "compact", "mapped"], default_value = "prepacked")]
         weights: String,
     },
+}
+
+impl Remote {
+    fn client(self) -> anyhow::Result<client::Client> {
+        client::Client::new(&self.url, self.token)
+    }
 }
 
 #[derive(Subcommand)]
@@ -229,6 +287,12 @@ fn main() -> ExitCode {
         Command::Check { config, model_dir } => check(config, model_dir),
         Command::Estimate { path, backend, weights } => estimate(path, backend, &weights),
         Command::Dump { command: DumpCommand::Diff { before, after } } => dump_diff(before, after),
+        Command::Ps { remote, json } => remote.client().and_then(|c| client::ps(&c, json)),
+        Command::Load { name, remote } => remote.client().and_then(|c| client::load(&c, &name)),
+        Command::Unload { name, remote } => remote.client().and_then(|c| client::unload(&c, &name)),
+        Command::Gc { remote } => remote.client().and_then(|c| client::gc(&c)),
+        Command::Stats { remote, json } => remote.client().and_then(|c| client::stats(&c, json)),
+        Command::Top { remote } => remote.client().and_then(|c| client::top(&c)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

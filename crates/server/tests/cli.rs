@@ -143,3 +143,133 @@ fn model_dir_discovery_and_sigterm_exits_cleanly() {
     assert!(logs.iter().any(|l| l.contains("all models unloaded")), "{logs:?}");
     assert!(logs.iter().any(|l| l.contains("Shutdown")), "the unload is logged with its reason");
 }
+
+/// `snooze ps|load|unload|gc|stats` against a running server, with its admin token.
+#[test]
+fn client_commands_drive_a_running_server() {
+    let mlp = models_dir();
+    let toml = format!(
+        "[server]\nadmin_token = \"s3cret\"\nkeep_alive = \"5m\"\n\n[models.small]\npath = \"{0}/mlp-10m\"\n\n[models.big]\npath = \"{0}/mlp-100m-1\"\n",
+        mlp.display()
+    );
+    let s = Server::start("cli-client", &toml, &[]).with_token("s3cret");
+    let run = |args: &[&str], token: Option<&str>| {
+        let mut c = snooze();
+        c.args(args).env("SNOOZE_URL", &s.base).env_remove("SNOOZE_ADMIN_TOKEN");
+        if let Some(t) = token {
+            c.env("SNOOZE_ADMIN_TOKEN", t);
+        }
+        let out = c.output().expect("run");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let tok = Some("s3cret");
+
+    // Without the token: a clear message, exit 1.
+    let (code, _, err) = run(&["ps"], None);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("admin token"), "{err}");
+
+    let (code, out, err) = run(&["load", "small"], tok);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("small: loaded"), "{out}");
+
+    let (code, out, err) = run(&["ps"], tok);
+    assert_eq!(code, Some(0), "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(
+        lines[0].split_whitespace().eq([
+            "NAME",
+            "STATE",
+            "DEVICE",
+            "MEMORY",
+            "(est/measured)",
+            "LEASES",
+            "QUEUED",
+            "UNTIL"
+        ]),
+        "{out}"
+    );
+    let small = lines.iter().find(|l| l.starts_with("small")).expect("small row");
+    assert!(
+        small.contains("ready")
+            && small.contains("cpu")
+            && (small.contains("in 4m") || small.contains("in 5m")),
+        "{out}"
+    );
+    let big = lines.iter().find(|l| l.starts_with("big")).expect("big row");
+    assert!(big.contains("unloaded") && big.contains("/ -"), "{out}");
+
+    // --json is the admin API's list, with the measured footprint.
+    let (_, out, _) = run(&["ps", "--json"], tok);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    let small = v.as_array().expect("list").iter().find(|m| m["name"] == "small").expect("small");
+    assert_eq!(small["state"], "ready");
+    assert!(small["footprint_measured_bytes"].as_u64().is_some(), "{small}");
+
+    let (code, out, err) = run(&["stats"], tok);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.starts_with("cpu: budget ") && out.contains("process ") && out.contains("level "), "{out}");
+    let (_, out, _) = run(&["stats", "--json"], tok);
+    assert!(serde_json::from_str::<serde_json::Value>(&out).expect("json")["devices"].is_array());
+
+    // Load and unload what the server knows; an unknown model is the server's 404, exit 1.
+    assert_eq!(run(&["load", "big"], tok).0, Some(0));
+    let (code, out, _) = run(&["unload", "big"], tok);
+    assert_eq!(code, Some(0));
+    assert!(out.contains("big: unloaded"));
+    let (code, _, err) = run(&["load", "nope"], tok);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("404") && err.contains("nope"), "{err}");
+
+    // gc unloads the idle model and says so.
+    let (code, out, err) = run(&["gc"], tok);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("unloaded 1 model(s): small"), "{out}");
+    let (_, out, _) = run(&["ps"], tok);
+    assert!(out.lines().find(|l| l.starts_with("small")).expect("row").contains("unloaded"), "{out}");
+
+    // top redraws every second until interrupted: read two frames, then stop it.
+    let mut top = snooze()
+        .arg("top")
+        .env("SNOOZE_URL", &s.base)
+        .env("SNOOZE_ADMIN_TOKEN", "s3cret")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("top");
+    let mut stdout = top.stdout.take().expect("stdout");
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while String::from_utf8_lossy(&seen).matches("\x1b[2J").count() < 2 {
+        use std::io::Read;
+        let n = stdout.read(&mut buf).expect("read");
+        assert!(n > 0, "top exited: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let _ = top.kill();
+    let _ = top.wait();
+    let frames = String::from_utf8_lossy(&seen);
+    assert!(
+        frames.contains("cpu: budget") && frames.contains("NAME") && frames.contains("small"),
+        "{frames}"
+    );
+}
+
+#[test]
+fn client_commands_say_when_the_server_is_unreachable() {
+    // A port nobody listens on: bind, read the port, close.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+    for args in [&["ps"][..], &["load", "x"], &["unload", "x"], &["gc"], &["stats"], &["top"]] {
+        let out =
+            snooze().args(args).args(["--url", &format!("http://127.0.0.1:{port}")]).output().expect("run");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains("cannot reach the server") && err.contains(&port.to_string()),
+            "{args:?}: {err}"
+        );
+    }
+}

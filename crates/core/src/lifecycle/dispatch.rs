@@ -7,6 +7,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::events::metric;
+
 use super::{
     queue::{Priority, Queued, Retry},
     refusal, Action, ModelId, RequestId, RunOutcome, Scheduler, SlotState, UnloadReason,
@@ -124,6 +126,9 @@ impl Scheduler {
             match next {
                 Some(retry) => {
                     evict |= retry == Retry::AfterGc;
+                    let step = if retry == Retry::AfterGc { "retry" } else { "split" };
+                    metrics::counter!(metric::OOM_RECOVERIES, "model" => name.clone(), "step" => step)
+                        .increment(1);
                     q.retry = retry;
                     self.slots[model].queue.push_front(priority, q);
                 }
@@ -146,6 +151,10 @@ impl Scheduler {
             .filter(|&id| self.slots[id].device() == Some(&device) && self.slots[id].idle().is_some())
             .collect();
         tracing::warn!(model = %name, evicting = idle.len(), error = %msg, "out of memory during inference: evicting idle models and retrying");
+        if !idle.is_empty() {
+            metrics::counter!(metric::OOM_RECOVERIES, "model" => name.clone(), "step" => "evict")
+                .increment(1);
+        }
         for id in idle {
             self.begin_unload(id, UnloadReason::Evicted);
         }

@@ -287,6 +287,11 @@ impl Scheduler {
         self.config.baselines.get(device).copied().unwrap_or(0) + models
     }
 
+    /// Bytes accounted to each model holding memory on `device`.
+    pub fn holding(&self, device: &Device) -> Vec<(String, u64)> {
+        self.slots.iter().filter_map(|s| Some((s.policy.name.clone(), s.held_on(device)?))).collect()
+    }
+
     pub fn budget(&self, device: &Device) -> u64 {
         self.config.budgets.get(device).copied().unwrap_or(0)
     }

@@ -9,7 +9,22 @@ use snooze_core::{lifecycle::ModelStatus, memory::process_rss_bytes};
 use super::{ok_json, AppState};
 
 pub fn routes() -> Router<AppState> {
-    Router::new().route("/admin/models", get(models))
+    Router::new().route("/admin/models", get(models)).route("/admin/events", get(events))
+}
+
+#[derive(serde::Deserialize)]
+struct Since {
+    /// Unix milliseconds; events after it.
+    #[serde(default)]
+    since: u64,
+}
+
+/// Loads, promotions, unloads (with their reason) and refusals, oldest first.
+async fn events(
+    State(state): State<AppState>,
+    axum::extract::Query(q): axum::extract::Query<Since>,
+) -> Response {
+    ok_json(json!({ "events": state.manager.events(q.since) }))
 }
 
 async fn models(State(state): State<AppState>) -> Response {

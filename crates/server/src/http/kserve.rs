@@ -154,6 +154,21 @@ async fn run_infer(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Response, AppError> {
+    let started = std::time::Instant::now();
+    let result = infer_once(state, name, version, headers, body).await;
+    if state.manager.info(name).is_ok() {
+        super::metrics::observe(name, "kserve", started, result.as_ref().map(drop).map_err(|e| &e.0));
+    }
+    result
+}
+
+async fn infer_once(
+    state: &AppState,
+    name: &str,
+    version: Option<&str>,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Response, AppError> {
     state.admit()?;
     let info = model(state, name, version)?;
     let mut charge = state.request_memory.charge();

@@ -14,6 +14,7 @@ pub mod decode;
 pub mod error;
 pub mod kserve;
 pub mod memory;
+pub mod metrics;
 pub mod openai;
 pub mod request_memory;
 
@@ -92,6 +93,7 @@ pub fn router(state: AppState) -> Router {
         .merge(admin::routes())
         .merge(memory::routes())
         .merge(kserve::admin_routes())
+        .merge(metrics::routes())
         .route_layer(middleware::from_fn_with_state(state.clone(), auth::require_admin));
     Router::new()
         .merge(kserve::routes())

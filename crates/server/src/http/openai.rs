@@ -278,6 +278,23 @@ async fn embeddings(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, OpenAiError> {
+    let started = std::time::Instant::now();
+    let mut model = None;
+    let result = embed_once(&state, headers, body, &mut model).await;
+    if let Some(m) = model {
+        super::metrics::observe(&m, "openai", started, result.as_ref().map(drop).map_err(|e| &e.0));
+    }
+    result
+}
+
+/// One embeddings request; `model` is set once the request names a configured model.
+async fn embed_once(
+    state: &AppState,
+    headers: HeaderMap,
+    body: Body,
+    model_seen: &mut Option<String>,
+) -> Result<Response, OpenAiError> {
+    let state = state.clone();
     state.admit()?;
     let mut charge = state.request_memory.charge();
     let body = read_body(&state, &headers, body, state.settings.max_request_size, &mut charge).await?;
@@ -294,6 +311,7 @@ async fn embeddings(
         }
     };
     let info = state.manager.info(&req.model).map_err(|e| OpenAiError(e, Some("model")))?;
+    *model_seen = Some(req.model.clone());
     if info.task != Task::Embedding {
         return Err(invalid("model", format!("model '{}' is not a text-embedding model", req.model)));
     }

@@ -1,0 +1,267 @@
+//! `snooze` as a client of a running server: `ps`, `load`, `unload`, `gc`, `stats`,
+//! `top`. Everything comes from the admin API, so what the CLI shows is what the
+//! dashboard and `/metrics` show.
+
+use std::{
+    fmt::Write as _,
+    time::{Duration, SystemTime},
+};
+
+use anyhow::{bail, Context};
+use serde_json::Value;
+use snooze_core::units::format_bytes;
+
+/// Where the server is and how to authenticate.
+pub struct Client {
+    base: String,
+    token: Option<String>,
+    http: reqwest::blocking::Client,
+}
+
+impl Client {
+    pub fn new(url: &str, token: Option<String>) -> anyhow::Result<Client> {
+        let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(150)).build()?;
+        Ok(Client {
+            base: url.trim_end_matches('/').to_string(),
+            token: token.filter(|t| !t.is_empty()),
+            http,
+        })
+    }
+
+    fn send(&self, req: reqwest::blocking::RequestBuilder) -> anyhow::Result<Value> {
+        let req = match &self.token {
+            Some(t) => req.bearer_auth(t),
+            None => req,
+        };
+        let resp = req.send().map_err(|e| {
+            let why = if e.is_connect() { "connection refused".to_string() } else { e.to_string() };
+            anyhow::anyhow!(
+                "cannot reach the server at {}: {why} (is `snooze serve` running? set --url or SNOOZE_URL)",
+                self.base
+            )
+        })?;
+        let status = resp.status();
+        let body: Value = resp.json().unwrap_or(Value::Null);
+        if status.as_u16() == 401 {
+            bail!("the server needs its admin token: pass --token or set SNOOZE_ADMIN_TOKEN");
+        }
+        if !status.is_success() {
+            let msg = body["error"].as_str().map_or_else(|| body.to_string(), str::to_string);
+            bail!("the server answered {status}: {msg}");
+        }
+        Ok(body)
+    }
+
+    pub fn get(&self, path: &str) -> anyhow::Result<Value> {
+        self.send(self.http.get(format!("{}{path}", self.base)))
+    }
+
+    pub fn post(&self, path: &str) -> anyhow::Result<Value> {
+        self.send(
+            self.http
+                .post(format!("{}{path}", self.base))
+                .header("content-type", "application/json")
+                .body("{}"),
+        )
+    }
+}
+
+/// `2026-11-29T11:12:13.456Z` → seconds from `now` (negative: in the past).
+fn seconds_from_now(stamp: &str, now: SystemTime) -> Option<i64> {
+    let parse = |a: usize, b: usize| stamp.get(a..b)?.parse::<i64>().ok();
+    let (y, mo, d) = (parse(0, 4)?, parse(5, 7)?, parse(8, 10)?);
+    let (h, mi, s) = (parse(11, 13)?, parse(14, 16)?, parse(17, 19)?);
+    // Days from civil (Howard Hinnant), the inverse of the server's formatter.
+    let y = if mo <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (if mo > 2 { mo - 3 } else { mo + 9 }) + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let then = days * 86_400 + h * 3600 + mi * 60 + s;
+    let now = now.duration_since(SystemTime::UNIX_EPOCH).ok()?.as_secs() as i64;
+    Some(then - now)
+}
+
+fn human(secs: i64) -> String {
+    let s = secs.unsigned_abs();
+    let text = match s {
+        0..=59 => format!("{s}s"),
+        60..=3599 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
+    };
+    if secs < 0 {
+        format!("{text} ago")
+    } else {
+        format!("in {text}")
+    }
+}
+
+fn bytes(v: &Value) -> String {
+    v.as_u64().map_or("-".into(), format_bytes)
+}
+
+/// The `ps` table: one line per model, like `ollama ps`.
+pub fn ps_table(models: &Value, now: SystemTime) -> String {
+    let mut rows = vec![[
+        "NAME".to_string(),
+        "STATE".into(),
+        "DEVICE".into(),
+        "MEMORY (est/measured)".into(),
+        "LEASES".into(),
+        "QUEUED".into(),
+        "UNTIL".into(),
+    ]];
+    for m in models["models"].as_array().into_iter().flatten() {
+        let queued: u64 =
+            ["high", "normal", "low"].iter().map(|k| m["queued"][k].as_u64().unwrap_or(0)).sum();
+        let until = match (m["state"].as_str(), m["unload_at"].as_str()) {
+            (Some("ready"), Some(t)) => seconds_from_now(t, now).map_or("-".into(), human),
+            (Some("ready"), None) => {
+                if m["pinned"] == true {
+                    "pinned".into()
+                } else {
+                    "forever".into()
+                }
+            }
+            _ => "-".into(),
+        };
+        rows.push([
+            m["name"].as_str().unwrap_or("?").to_string(),
+            m["state"].as_str().unwrap_or("?").to_string(),
+            m["device"].as_str().unwrap_or("-").to_string(),
+            format!("{} / {}", bytes(&m["footprint_estimated_bytes"]), bytes(&m["footprint_measured_bytes"])),
+            m["leases"].as_u64().unwrap_or(0).to_string(),
+            queued.to_string(),
+            until,
+        ]);
+    }
+    let widths: Vec<usize> =
+        (0..7).map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0)).collect();
+    let mut out = String::new();
+    for r in rows {
+        let line: Vec<String> = r.iter().zip(&widths).map(|(cell, w)| format!("{cell:<w$}")).collect();
+        let _ = writeln!(out, "{}", line.join("  ").trim_end());
+    }
+    out
+}
+
+/// The memory summary of `stats` and `top`.
+pub fn stats_text(stats: &Value) -> String {
+    let mut out = String::new();
+    for d in stats["devices"].as_array().into_iter().flatten() {
+        let _ = writeln!(
+            out,
+            "{}: budget {}, process {}, accounted {}, available {}, level {}",
+            d["device"].as_str().unwrap_or("?"),
+            bytes(&d["budget_bytes"]),
+            bytes(&d["process_bytes"]),
+            bytes(&d["accounted_bytes"]),
+            bytes(&d["available_bytes"]),
+            d["level"].as_str().unwrap_or("-"),
+        );
+    }
+    let inflight = &stats["requests_in_flight"];
+    if inflight.is_object() {
+        let _ = writeln!(
+            out,
+            "requests in flight: {} of {}",
+            bytes(&inflight["bytes"]),
+            bytes(&inflight["limit_bytes"])
+        );
+    }
+    for a in stats["alerts"].as_array().into_iter().flatten() {
+        let _ = writeln!(out, "alert: {}", a["message"].as_str().unwrap_or("?"));
+    }
+    for r in stats["recommendations"].as_array().into_iter().flatten() {
+        let _ = writeln!(out, "advice: {}", r.as_str().unwrap_or("?"));
+    }
+    out
+}
+
+pub fn ps(c: &Client, json: bool) -> anyhow::Result<()> {
+    let models = c.get("/admin/models")?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&models["models"])?);
+    } else {
+        print!("{}", ps_table(&models, SystemTime::now()));
+    }
+    Ok(())
+}
+
+pub fn load(c: &Client, name: &str) -> anyhow::Result<()> {
+    c.post(&format!("/v2/repository/models/{name}/load")).with_context(|| format!("loading '{name}'"))?;
+    println!("{name}: loaded");
+    Ok(())
+}
+
+pub fn unload(c: &Client, name: &str) -> anyhow::Result<()> {
+    c.post(&format!("/v2/repository/models/{name}/unload")).with_context(|| format!("unloading '{name}'"))?;
+    println!("{name}: unloaded");
+    Ok(())
+}
+
+pub fn gc(c: &Client) -> anyhow::Result<()> {
+    let r = c.post("/admin/memory/gc")?;
+    let models: Vec<&str> =
+        r["models_unloaded"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+    println!(
+        "unloaded {} model(s){}{}; {} returned to the OS",
+        models.len(),
+        if models.is_empty() { "" } else { ": " },
+        models.join(", "),
+        bytes(&r["freed_bytes"])
+    );
+    Ok(())
+}
+
+pub fn stats(c: &Client, json: bool) -> anyhow::Result<()> {
+    let s = c.get("/admin/memory/stats")?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&s)?);
+    } else {
+        print!("{}", stats_text(&s));
+    }
+    Ok(())
+}
+
+/// Refreshes the memory summary and the models table every second until interrupted.
+pub fn top(c: &Client) -> anyhow::Result<()> {
+    loop {
+        let stats = c.get("/admin/memory/stats")?;
+        let models = c.get("/admin/models")?;
+        // Clear the screen and go home, then draw.
+        print!("\x1b[2J\x1b[H{}\n{}", stats_text(&stats), ps_table(&models, SystemTime::now()));
+        use std::io::Write;
+        std::io::stdout().flush()?;
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn ps_lists_every_model_with_its_memory_and_deadline() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_795_950_733);
+        let models = json!({"models": [
+            {"name": "a", "state": "ready", "device": "cpu", "footprint_estimated_bytes": 131_072_000u64,
+             "footprint_measured_bytes": 104_857_600u64, "leases": 1, "queued": {"high": 0, "normal": 2, "low": 1},
+             "unload_at": "2026-11-29T11:16:13.000Z", "pinned": false},
+            {"name": "b", "state": "unloaded", "device": null, "footprint_estimated_bytes": 1024, "leases": 0,
+             "queued": {"high": 0, "normal": 0, "low": 0}, "unload_at": null},
+        ]});
+        let t = ps_table(&models, now);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].starts_with("NAME") && lines[0].contains("UNTIL"), "{t}");
+        assert!(
+            lines[1].contains("125.0 MiB / 100.0 MiB")
+                && lines[1].contains("in 4m00s")
+                && lines[1].contains(" 3 "),
+            "{t}"
+        );
+        assert!(lines[2].contains("unloaded") && lines[2].contains("1.0 KiB / -"), "{t}");
+    }
+}
