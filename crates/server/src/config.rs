@@ -44,71 +44,285 @@ impl fmt::Display for Scalar {
     }
 }
 
-/// One `[server]` key: the single place that names it, gives its default and says
-/// what it does. The file parser, the `--flag` / `SNOOZE_<KEY>` overrides and the
-/// README's table (checked by a test) all come from [`SERVER_KEYS`].
+/// Declares every `[server]` key once: its doc comment is the help of `--help` and of
+/// the README's table, then `name: Type = "default"` (as written in the file; `""` =
+/// unset), then optional checks. From this come the [`ServerSettings`] field, the TOML
+/// key, the `--flag` and `SNOOZE_<KEY>` variable (`main.rs`), the default, the parse
+/// (by the field's type, see [`Setting`]) and the README table ([`settings_table`]).
+macro_rules! server_settings {
+    ($( $(#[doc = $doc:literal])+ $name:ident : $ty:ty = $default:literal $(, check $check:path)* ; )+) => {
+        /// Validated `[server]` settings (see the README's table, generated from here).
+        #[derive(Debug, Clone)]
+        pub struct ServerSettings {
+            $( $(#[doc = $doc])+ pub $name: $ty, )+
+        }
+
+        /// Every `[server]` key, in the order of the README's table.
+        pub const SERVER_KEYS: &[ServerKey] = &[
+            $( ServerKey { name: stringify!($name), default: $default, doc: concat!($($doc, "\n"),+) }, )+
+        ];
+
+        impl ServerSettings {
+            fn from_layers(layers: &RawServer) -> Result<ServerSettings, ConfigError> {
+                Ok(ServerSettings {
+                    $( $name: layers.get::<$ty>(stringify!($name), $default, &[$($check),*])?, )+
+                })
+            }
+        }
+    };
+}
+
+server_settings! {
+    /// Where to listen; port 0 picks a free one.
+    http_address: String = "127.0.0.1:8080", check socket_address;
+    /// Memory budget of the whole process: `auto` (what the machine or its memory cgroup
+    /// allows, minus `headroom`), a percentage of what exists (`80%`), or a size (`6GiB`).
+    host_memory_limit: MemoryLimit = "auto";
+    /// Kept free on top of each model's footprint; `auto` also subtracts it from the limit.
+    headroom: u64 = "64MiB";
+    /// Idle time before a model unloads; `0` = after each request, `-1` = never.
+    keep_alive: KeepAlive = "5m";
+    /// A model is not evicted sooner than this after loading; a load that needs its room
+    /// waits for it (a model just loaded always serves the requests that waited for it
+    /// before it may be evicted).
+    min_residency: Duration = "0s";
+    /// Longest a request waits in its model's queue (for memory, a load, a free run
+    /// slot); then 503 + `Retry-After`.
+    queue_timeout: Duration = "30s", check positive;
+    /// Longest a model waiting to load lets resident models serve their queued requests
+    /// before one of them is evicted anyway (no cold model is starved). A swap is due
+    /// sooner when it is cheap: after 4x the waiting model's measured swap cost (last
+    /// load + first run after it), at least 10 ms.
+    max_swap_delay: Duration = "200ms";
+    /// Runs (batches) at once across all models; `0` = no cap.
+    max_concurrent_inferences: u32 = "0";
+    /// Let ONNX Runtime's one shared thread pool spin while it waits for work. Measured
+    /// with the Zipf benchmark's hot-model rows on 2 cores, two runs each: 658 vs 691
+    /// req/s batched and 168 vs 175 unbatched (on vs off): no faster, and spinning takes
+    /// CPU from everything else.
+    intra_op_spinning: bool = "false";
+    /// Most models resident at once; `0` = no cap.
+    max_loaded_models: usize = "0";
+    /// `Retry-After` of refusals with no better estimate.
+    retry_after: Duration = "5s", check at_least_a_second;
+    /// Where the server keeps its state (learned footprints, weight caches); relative to
+    /// the config file.
+    state_dir: PathBuf = ".snooze";
+    /// A model repository: each sub-folder with `model.onnx` or `1/model.onnx` is a model
+    /// named after the folder (a `[models.NAME]` entry of the same name wins).
+    model_dir: Option<PathBuf> = "";
+    /// On SIGTERM/SIGINT, how long requests in flight may finish before models are
+    /// unloaded.
+    shutdown_timeout: Duration = "30s";
+    /// Longest a request waits for its model to load, and a repository load or unload
+    /// for its model (then 503; the load or unload goes on).
+    acquire_timeout: Duration = "120s", check positive;
+    /// Larger bodies get 413, refused by `Content-Length` before they are read.
+    max_request_size: u64 = "64MiB";
+    /// Memory all requests in flight may hold (bodies, decoded tensors, the copy kept for
+    /// an out-of-memory retry), as a size or a share of the memory budget; past it new
+    /// requests get 503 + `Retry-After`, a request that alone exceeds it 413.
+    max_inflight_request_bytes: MemorySize = "10%";
+    /// A request line and headers must arrive within this once they started; slower
+    /// connections are closed.
+    header_read_timeout: Duration = "10s", check positive;
+    /// A request body must arrive within this; slower ones get 408 and the connection is
+    /// closed.
+    body_read_timeout: Duration = "30s", check positive;
+    /// A kept-alive connection without a request for this long is closed.
+    idle_timeout: Duration = "60s", check positive;
+    /// Most client connections at once; more wait in the kernel's accept queue (the
+    /// open-file limit is raised to fit).
+    max_connections: usize = "1024", check at_least_one;
+    /// Threads of ONNX Runtime's one thread pool, shared by every session (N loaded
+    /// models do not start N pools); `0` = one per core.
+    intra_op_threads: usize = "0";
+    /// Most texts in one embeddings request, on `/v1/embeddings` and KServe BYTES alike
+    /// (more: 400).
+    max_embedding_inputs: usize = "256";
+    /// Longest embedding text in characters, and longest token-id list (longer: 400).
+    max_input_chars: usize = "100000";
+    /// RSS / budget that records an alert.
+    memory_warning_threshold: f64 = "0.80";
+    /// Loads must evict first; low-priority requests get 503.
+    memory_critical_threshold: f64 = "0.95";
+    /// Every idle, unpinned model is unloaded.
+    memory_emergency_threshold: f64 = "0.98";
+    /// How often the monitor reads memory (also after each load).
+    memory_check_interval: Duration = "5s", check at_least_10ms;
+    /// One malloc arena and a 64 KiB mmap threshold; trim the heap after requests of
+    /// 1 MiB or more.
+    low_ram_mode: bool = "false";
+    /// When set, every admin endpoint (repository load/unload, `/admin/*` reads, gc, the
+    /// memory dump, `/metrics`, the dashboard's data) needs `Authorization: Bearer
+    /// <token>` (see the README's Security section); unset = open.
+    admin_token: Option<String> = "";
+}
+
+impl ServerSettings {
+    /// The pressure levels, from the three `memory_*_threshold` keys.
+    pub fn thresholds(&self) -> Thresholds {
+        Thresholds {
+            warning: self.memory_warning_threshold,
+            critical: self.memory_critical_threshold,
+            emergency: self.memory_emergency_threshold,
+        }
+    }
+}
+
+/// One `[server]` key, as [`server_settings!`] declared it.
 #[derive(Debug, Clone, Copy)]
 pub struct ServerKey {
     pub name: &'static str,
-    /// As it would be written in the file; `None` = unset.
-    pub default: Option<&'static str>,
-    pub help: &'static str,
-    /// Hidden from `--help`'s environment values.
-    pub secret: bool,
+    /// As it would be written in the file; `""` = unset.
+    pub default: &'static str,
+    /// The doc comment, one source line per line.
+    doc: &'static str,
 }
 
-const fn key(name: &'static str, default: &'static str, help: &'static str) -> ServerKey {
-    ServerKey { name, default: Some(default), help, secret: false }
+impl ServerKey {
+    /// The help text on one line.
+    pub fn help(&self) -> String {
+        self.doc.split('\n').map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ")
+    }
+
+    pub fn flag(&self) -> String {
+        format!("--{}", self.name.replace('_', "-"))
+    }
+
+    pub fn env(&self) -> String {
+        format!("SNOOZE_{}", self.name.to_uppercase())
+    }
+
+    /// Its value is hidden from `--help` and from error messages.
+    pub fn secret(&self) -> bool {
+        self.name.ends_with("token")
+    }
 }
 
-pub const SERVER_KEYS: &[ServerKey] = &[
-    key("http_address", "127.0.0.1:8080", "Address to listen on; port 0 picks a free port."),
-    key("host_memory_limit", "auto", "Memory budget of the whole process: \"auto\" (machine or cgroup limit minus headroom), a percentage of what exists (\"80%\"), or a size (\"6GiB\")."),
-    key("headroom", "64MiB", "Memory kept free on top of each model's footprint; \"auto\" also subtracts it from the limit."),
-    key("keep_alive", "5m", "How long an idle model stays loaded after its last request; 0 = unload at once, -1 = never."),
-    key("min_residency", "0s", "A model is not evicted sooner than this after loading; a load that needs its room waits (a model just loaded always serves the requests that waited for it first)."),
-    key("max_loaded_models", "0", "Most models loaded at once; 0 = no cap."),
-    key("retry_after", "5s", "Retry-After sent with refusals that have no better estimate."),
-    key("state_dir", ".snooze", "Where the server keeps its state (learned footprints)."),
-    ServerKey { name: "model_dir", default: None, help: "A model repository: every sub-folder holding model.onnx or 1/model.onnx is served under the folder's name.", secret: false },
-    key("shutdown_timeout", "30s", "On SIGTERM/SIGINT, how long requests in flight may finish before models are unloaded."),
-    key("queue_timeout", "30s", "Longest a request waits in its model's queue (for memory, a load, a free run slot); then 503 + Retry-After."),
-    key("max_swap_delay", "200ms", "Longest a model waiting to load lets resident models serve their queued requests before one of them is evicted anyway; bounds how long a cold model can be starved (a cheap swap is due sooner: 4x its measured cost, at least 10 ms)."),
-    key("max_concurrent_inferences", "0", "Runs (batches) at once across all models; 0 = no cap."),
-    key("intra_op_spinning", "false", "Let ONNX Runtime's shared thread pool spin while waiting for work (measured: no faster under load on 2 cores, and it takes CPU from everything else)."),
-    key("acquire_timeout", "120s", "Longest a request waits for its model to load, and a repository load or unload for its model (then 503)."),
-    key("max_request_size", "64MiB", "Largest request body; larger ones get 413, refused by Content-Length before they are read."),
-    key("max_inflight_request_bytes", "10%", "Memory that requests being decoded and served may hold in all (bodies, decoded tensors, the copy kept for an out-of-memory retry), as a size or a percentage of the memory budget; past it new requests get 503 + Retry-After."),
-    key("header_read_timeout", "10s", "Time a client has to send a request's line and headers once it started; slower connections are closed."),
-    key("body_read_timeout", "30s", "Time a client has to send a request's whole body; slower ones get 408 and the connection is closed."),
-    key("idle_timeout", "60s", "A kept-alive connection with no request for this long is closed."),
-    key("max_connections", "1024", "Most client connections at once; further ones wait in the kernel's accept queue."),
-    key("intra_op_threads", "0", "Threads one inference may use inside ONNX Runtime; 0 = runtime default."),
-    key("max_embedding_inputs", "256", "Most texts in one embeddings request, on /v1/embeddings and on KServe BYTES alike (more: 400)."),
-    key("max_input_chars", "100000", "Longest text (in characters) one embedding input may have (longer: 400)."),
-    key("memory_warning_threshold", "0.80", "Share of the budget (RSS / budget) that records an alert."),
-    key("memory_critical_threshold", "0.95", "Share of the budget at which loads must evict first and low-priority requests get 503."),
-    key("memory_emergency_threshold", "0.98", "Share of the budget at which every idle, unpinned model is unloaded."),
-    key("memory_check_interval", "5s", "How often the memory monitor reads the probe (also after every load)."),
-    key("low_ram_mode", "false", "One malloc arena and a 64 KiB mmap threshold; trim the heap after requests of 1 MiB or more."),
-    ServerKey { name: "admin_token", default: None, help: "Bearer token guarding every admin endpoint: repository load/unload, /admin/* (reads too) and gc; unset = open.", secret: true },
-];
-
-/// The file as written (every field optional; defaults come later).
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FileConfig {
-    #[serde(default)]
-    pub server: RawServer,
-    #[serde(default)]
-    pub models: BTreeMap<String, RawModel>,
+/// The README's `[server]` table, rendered from [`SERVER_KEYS`] (a test keeps the
+/// README equal to it; `SNOOZE_BLESS=1` rewrites it).
+pub fn settings_table() -> String {
+    let mut out = String::from("| `[server]` key | flag / env | default | meaning |\n|---|---|---|---|\n");
+    for k in SERVER_KEYS {
+        let default = if k.default.is_empty() { "unset".to_string() } else { format!("`{}`", k.default) };
+        out.push_str(&format!(
+            "| `{}` | `{}` / `{}` | {default} | {} |\n",
+            k.name,
+            k.flag(),
+            k.env(),
+            k.help()
+        ));
+    }
+    out
 }
 
-/// `[server]` keys as written, before validation; the flag/env overrides come in the
-/// same shape. Unknown keys are refused in [`resolve`].
-#[derive(Debug, Default, Clone, Deserialize)]
-#[serde(transparent)]
-pub struct RawServer(pub BTreeMap<String, Scalar>);
+/// A value's type says how its text parses: once, at start.
+pub trait Setting: Sized {
+    fn parse_setting(text: &str) -> Result<Self, String>;
+}
+
+macro_rules! setting {
+    ($($(#[$meta:meta])* $ty:ty => $parse:expr;)+) => {
+        $( $(#[$meta])* impl Setting for $ty {
+            fn parse_setting(text: &str) -> Result<Self, String> {
+                $parse(text)
+            }
+        } )+
+    };
+}
+
+setting! {
+    Duration => parse_duration;
+    /// Sizes in bytes (`"64MiB"`, `1048576`).
+    u64 => parse_bytes;
+    usize => |t: &str| t.trim().parse().map_err(|_| "not a whole number >= 0".to_string());
+    u32 => |t: &str| t.trim().parse().map_err(|_| format!("not a whole number from 0 to {}", u32::MAX));
+    bool => |t: &str| match t.trim() {
+        "true" | "1" => Ok(true),
+        "false" | "0" => Ok(false),
+        _ => Err("not true or false".to_string()),
+    };
+    /// Shares of the memory budget.
+    f64 => |t: &str| match t.trim().parse::<f64>() {
+        Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
+        _ => Err("not a fraction in (0, 1]".to_string()),
+    };
+    KeepAlive => KeepAlive::parse;
+    MemorySize => MemorySize::parse;
+    MemoryLimit => |t: &str| match t.trim() {
+        "auto" => Ok(MemoryLimit::Auto),
+        _ => MemorySize::parse(t).map(MemoryLimit::Size).map_err(|e| format!("{e} (or \"auto\")")),
+    };
+    String => |t: &str| Ok(t.to_string());
+    PathBuf => |t: &str| Ok(PathBuf::from(t));
+}
+
+/// `""` = unset.
+impl<T: Setting> Setting for Option<T> {
+    fn parse_setting(text: &str) -> Result<Self, String> {
+        if text.is_empty() {
+            return Ok(None);
+        }
+        T::parse_setting(text).map(Some)
+    }
+}
+
+fn positive(d: &Duration) -> Result<(), String> {
+    if d.is_zero() {
+        return Err("must be more than 0".into());
+    }
+    Ok(())
+}
+
+fn at_least_a_second(d: &Duration) -> Result<(), String> {
+    if *d < Duration::from_secs(1) {
+        return Err("must be at least 1s (Retry-After counts whole seconds)".into());
+    }
+    Ok(())
+}
+
+fn at_least_10ms(d: &Duration) -> Result<(), String> {
+    if *d < Duration::from_millis(10) {
+        return Err("must be at least 10ms".into());
+    }
+    Ok(())
+}
+
+fn at_least_one(n: &usize) -> Result<(), String> {
+    if *n == 0 {
+        return Err("must be at least 1".into());
+    }
+    Ok(())
+}
+
+#[allow(clippy::ptr_arg)] // a check of a `String` setting
+fn socket_address(a: &String) -> Result<(), String> {
+    match a.parse::<std::net::SocketAddr>() {
+        Ok(_) => Ok(()),
+        Err(_) => Err("not an address like \"127.0.0.1:8080\"".into()),
+    }
+}
+
+/// A check a value must pass beyond parsing (`check positive` in [`server_settings!`]).
+type Check<T> = fn(&T) -> Result<(), String>;
+
+/// Where a `[server]` value came from, for error messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    Default,
+    /// The config file (its path, or "(embedded default)").
+    File(String),
+    /// `SNOOZE_<KEY>`.
+    Env,
+    /// `--<key>`.
+    Flag,
+}
+
+/// The `[server]` values as written, each with where it came from; the file's, then the
+/// flags' and environment's laid over them ([`RawServer::merge`]).
+#[derive(Debug, Default, Clone)]
+pub struct RawServer(pub BTreeMap<String, (String, Origin)>);
 
 impl RawServer {
     /// Lays `over`'s set keys over ours.
@@ -116,18 +330,56 @@ impl RawServer {
         self.0.extend(over.0);
     }
 
+    /// Sets `key` as a flag would.
     pub fn set(&mut self, key: &str, value: impl Into<String>) -> &mut Self {
-        self.0.insert(key.to_string(), Scalar::Str(value.into()));
+        self.set_from(key, value, Origin::Flag)
+    }
+
+    pub fn set_from(&mut self, key: &str, value: impl Into<String>, origin: Origin) -> &mut Self {
+        self.0.insert(key.to_string(), (value.into(), origin));
         self
     }
 
-    /// The value as text, else the key's default.
-    fn text(&self, key: &str) -> Option<String> {
-        match self.0.get(key) {
-            Some(v) => Some(v.to_string()),
-            None => SERVER_KEYS.iter().find(|k| k.name == key).and_then(|k| k.default).map(str::to_string),
+    /// Parses `key` by its type (else its default) and checks it; an error names the
+    /// key, the value and where it came from.
+    fn get<T: Setting>(&self, key: &str, default: &str, checks: &[Check<T>]) -> Result<T, ConfigError> {
+        let (text, origin) = match self.0.get(key) {
+            Some((t, o)) => (t.as_str(), o.clone()),
+            None => (default, Origin::Default),
+        };
+        let value = T::parse_setting(text);
+        match value.and_then(|v| checks.iter().try_for_each(|c| c(&v)).map(|()| v)) {
+            Ok(v) => Ok(v),
+            Err(reason) => {
+                let shown = if key.ends_with("token") { "***".to_string() } else { format!("{text:?}") };
+                let from = match origin {
+                    Origin::Default => "the default".to_string(),
+                    Origin::File(f) => f,
+                    Origin::Env => format!("env SNOOZE_{}", key.to_uppercase()),
+                    Origin::Flag => format!("flag --{}", key.replace('_', "-")),
+                };
+                Err(ConfigError(format!("invalid config: [server] {key} = {shown} (from {from}): {reason}")))
+            }
         }
     }
+}
+
+/// The file as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileText {
+    #[serde(default)]
+    server: BTreeMap<String, Scalar>,
+    #[serde(default)]
+    models: BTreeMap<String, RawModel>,
+}
+
+/// A parsed file: its `[server]` values (unknown keys are refused in [`resolve`]) and its
+/// models, before validation.
+#[derive(Debug, Default)]
+pub struct FileConfig {
+    pub server: RawServer,
+    pub models: BTreeMap<String, RawModel>,
 }
 
 #[derive(Debug, Default, Clone, Deserialize)]
@@ -173,40 +425,6 @@ impl Backend {
     }
 }
 
-/// Validated server settings.
-#[derive(Debug, Clone)]
-pub struct ServerSettings {
-    pub http_address: String,
-    pub host_memory_limit: MemoryLimit,
-    pub headroom: u64,
-    pub keep_alive: KeepAlive,
-    pub min_residency: Duration,
-    pub max_loaded_models: usize,
-    pub queue_timeout: Duration,
-    pub max_swap_delay: Duration,
-    pub max_concurrent_inferences: u32,
-    pub intra_op_spinning: bool,
-    pub retry_after: Duration,
-    pub state_dir: PathBuf,
-    pub shutdown_timeout: Duration,
-    pub acquire_timeout: Duration,
-    pub max_request_size: u64,
-    /// Resolved against the memory budget at start (see `build`).
-    pub max_inflight_request_bytes: MemorySize,
-    pub header_read_timeout: Duration,
-    pub body_read_timeout: Duration,
-    pub idle_timeout: Duration,
-    pub max_connections: usize,
-    pub intra_op_threads: usize,
-    pub max_embedding_inputs: usize,
-    pub max_input_chars: usize,
-    pub thresholds: Thresholds,
-    pub memory_check_interval: Duration,
-    pub low_ram_mode: bool,
-    /// Bearer token the admin endpoints need; `None` = open.
-    pub admin_token: Option<String>,
-}
-
 /// A validated model entry.
 #[derive(Debug, Clone)]
 pub struct ModelSettings {
@@ -248,8 +466,10 @@ fn err(key: &str, reason: impl fmt::Display) -> ConfigError {
 
 /// Parses TOML text; unknown keys and wrong types are errors naming the key.
 pub fn parse_file(text: &str, origin: &str) -> Result<FileConfig, ConfigError> {
-    toml::from_str(text)
-        .map_err(|e| ConfigError(format!("invalid config {origin}: {}", e.to_string().trim())))
+    let file: FileText = toml::from_str(text)
+        .map_err(|e| ConfigError(format!("invalid config {origin}: {}", e.to_string().trim())))?;
+    let server = file.server.into_iter().map(|(k, v)| (k, (v.to_string(), Origin::File(origin.to_string()))));
+    Ok(FileConfig { server: RawServer(server.collect()), models: file.models })
 }
 
 /// Validates `file` with `overrides` (flags/env) on top; `base` resolves relative paths.
@@ -267,105 +487,19 @@ pub fn resolve(
             "unknown key (see the README's list of [server] keys)",
         ));
     }
-    let get = |key: &str| s.text(key).unwrap_or_default();
-
-    let duration = |key: &str| parse_duration(&get(key)).map_err(|e| err(&format!("[server] {key}"), e));
-    let size = |key: &str| parse_bytes(&get(key)).map_err(|e| err(&format!("[server] {key}"), e));
-    let count = |key: &str| {
-        let text = get(key);
-        text.trim()
-            .parse::<usize>()
-            .map_err(|_| err(&format!("[server] {key}"), format!("'{text}' is not a whole number >= 0")))
-    };
-    let fraction = |key: &str| {
-        let text = get(key);
-        match text.trim().parse::<f64>() {
-            Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
-            _ => Err(err(&format!("[server] {key}"), format!("'{text}' is not a fraction in (0, 1]"))),
-        }
-    };
-    let flag = |key: &str| match get(key).trim() {
-        "true" | "1" => Ok(true),
-        "false" | "0" => Ok(false),
-        other => Err(err(&format!("[server] {key}"), format!("'{other}' is not true or false"))),
-    };
-    let positive = |key: &str| {
-        let d = duration(key)?;
-        if d.is_zero() {
-            return Err(err(&format!("[server] {key}"), "must be more than 0"));
-        }
-        Ok(d)
-    };
-    let limit_text = get("host_memory_limit");
-    let host_memory_limit = if limit_text.trim() == "auto" {
-        MemoryLimit::Auto
-    } else {
-        MemoryLimit::Size(
-            MemorySize::parse(&limit_text)
-                .map_err(|e| err("[server] host_memory_limit", format!("{e} (or \"auto\")")))?,
-        )
-    };
-    let http_address = get("http_address");
-    if http_address.parse::<std::net::SocketAddr>().is_err() {
-        return Err(err(
-            "[server] http_address",
-            format!("'{http_address}' is not an address like \"127.0.0.1:8080\""),
-        ));
-    }
-    let keep_alive_text = get("keep_alive");
-    let server = ServerSettings {
-        http_address,
-        host_memory_limit,
-        headroom: size("headroom")?,
-        keep_alive: KeepAlive::parse(&keep_alive_text).map_err(|e| err("[server] keep_alive", e))?,
-        min_residency: duration("min_residency")?,
-        max_loaded_models: count("max_loaded_models")?,
-        queue_timeout: positive("queue_timeout")?,
-        max_swap_delay: duration("max_swap_delay")?,
-        max_concurrent_inferences: u32::try_from(count("max_concurrent_inferences")?)
-            .map_err(|_| err("[server] max_concurrent_inferences", "too large"))?,
-        intra_op_spinning: flag("intra_op_spinning")?,
-        retry_after: duration("retry_after")?,
-        state_dir: base.join(get("state_dir")),
-        shutdown_timeout: duration("shutdown_timeout")?,
-        acquire_timeout: positive("acquire_timeout")?,
-        max_request_size: size("max_request_size")?,
-        max_inflight_request_bytes: MemorySize::parse(&get("max_inflight_request_bytes"))
-            .map_err(|e| err("[server] max_inflight_request_bytes", e))?,
-        header_read_timeout: positive("header_read_timeout")?,
-        body_read_timeout: positive("body_read_timeout")?,
-        idle_timeout: positive("idle_timeout")?,
-        max_connections: match count("max_connections")? {
-            0 => return Err(err("[server] max_connections", "must be at least 1")),
-            n => n,
-        },
-        intra_op_threads: count("intra_op_threads")?,
-        max_embedding_inputs: count("max_embedding_inputs")?,
-        max_input_chars: count("max_input_chars")?,
-        thresholds: Thresholds {
-            warning: fraction("memory_warning_threshold")?,
-            critical: fraction("memory_critical_threshold")?,
-            emergency: fraction("memory_emergency_threshold")?,
-        },
-        memory_check_interval: duration("memory_check_interval")?,
-        low_ram_mode: flag("low_ram_mode")?,
-        admin_token: s.text("admin_token").filter(|t| !t.is_empty()),
-    };
-    server.thresholds.validate().map_err(|e| err("[server] memory_*_threshold", e))?;
-    if server.memory_check_interval < Duration::from_millis(10) {
-        return Err(err("[server] memory_check_interval", "must be at least 10ms"));
-    }
-    if server.retry_after.is_zero() {
-        return Err(err("[server] retry_after", "must be at least 1s"));
+    let mut server = ServerSettings::from_layers(s)?;
+    server.thresholds().validate().map_err(|e| err("[server] memory_*_threshold", e))?;
+    server.state_dir = base.join(&server.state_dir);
+    if let Some(flag) = model_dir_flag {
+        server.model_dir = Some(flag);
     }
 
     let mut models = Vec::new();
     for (name, raw) in &file.models {
         models.push(model_settings(name, raw, &server, base)?);
     }
-    let model_dir = model_dir_flag.or_else(|| s.text("model_dir").map(PathBuf::from));
-    if let Some(dir) = model_dir {
-        for (name, path) in discover(&base.join(&dir))? {
+    if let Some(dir) = &server.model_dir {
+        for (name, path) in discover(&base.join(dir))? {
             if models.iter().any(|m| m.name == name) {
                 continue; // an explicit [models.NAME] entry wins over discovery
             }
@@ -583,22 +717,55 @@ mod tests {
         }
     }
 
+    /// The README's table is [`settings_table`]; `SNOOZE_BLESS=1` rewrites it.
     #[test]
-    fn every_server_key_is_documented_in_the_readme_with_its_default() {
-        let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md"))
-            .expect("README.md");
-        for k in SERVER_KEYS {
-            let row = readme
-                .lines()
-                .find(|l| l.starts_with(&format!("| `{}` |", k.name)))
-                .unwrap_or_else(|| panic!("README has no table row for [server] {}", k.name));
-            if let Some(d) = k.default {
-                assert!(
-                    row.contains(&format!("`{d}`")),
-                    "README row of {} lacks its default `{d}`: {row}",
-                    k.name
-                );
+    fn the_readme_settings_table_is_generated_from_the_keys() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md");
+        let readme = std::fs::read_to_string(&path).expect("README.md");
+        let (start, end) = ("<!-- server-settings:start -->\n", "<!-- server-settings:end -->");
+        let a = readme.find(start).expect("README lacks the server-settings:start marker") + start.len();
+        let b = readme.find(end).expect("README lacks the server-settings:end marker");
+        let table = settings_table();
+        if readme[a..b] != table {
+            if std::env::var_os("SNOOZE_BLESS").is_some() {
+                std::fs::write(&path, format!("{}{table}{}", &readme[..a], &readme[b..]))
+                    .expect("write README");
+            } else {
+                panic!("README's [server] table is stale: run `SNOOZE_BLESS=1 cargo test -p snooze-server the_readme_settings_table`");
             }
+        }
+    }
+
+    #[test]
+    fn errors_say_where_the_value_came_from() {
+        let mut over = RawServer::default();
+        over.set_from("idle_timeout", "0s", Origin::Env);
+        let e = load("", over).unwrap_err().0;
+        assert!(
+            e.contains("[server] idle_timeout = \"0s\" (from env SNOOZE_IDLE_TIMEOUT): must be more than 0"),
+            "{e}"
+        );
+        let e = load("", RawServer::default().set("headroom", "x").clone()).unwrap_err().0;
+        assert!(e.contains("(from flag --headroom)"), "{e}");
+        let e = resolve(
+            parse_file("[server]\nkeep_alive = \"soon\"", "a/snooze.toml").unwrap(),
+            RawServer::default(),
+            None,
+            &dir(),
+        )
+        .unwrap_err()
+        .0;
+        assert!(e.contains("[server] keep_alive = \"soon\" (from a/snooze.toml)"), "{e}");
+        let e = load("[server]\nadmin_token = 5", RawServer::default());
+        assert!(e.is_ok(), "a token is any text");
+    }
+
+    #[test]
+    fn every_default_parses_and_every_key_has_help() {
+        let c = load("", RawServer::default()).unwrap();
+        assert_eq!(c.server.thresholds().critical, 0.95);
+        for k in SERVER_KEYS {
+            assert!(k.help().len() > 10 && !k.help().contains('\n'), "{}", k.name);
         }
     }
 

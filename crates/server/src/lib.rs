@@ -220,7 +220,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
         probe,
         gpu_probes: gpus.clone(),
         store: Some(Arc::new(snooze_core::learned::FootprintStore::open(&s.state_dir))),
-        thresholds: s.thresholds,
+        thresholds: s.thresholds(),
         check_interval: s.memory_check_interval,
     });
     let memory = ServerMemory {

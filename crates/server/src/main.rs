@@ -140,27 +140,29 @@ fn server_key_args() -> Vec<clap::Arg> {
         .iter()
         .filter(|k| k.name != "model_dir") // a typed flag above: relative to the working directory
         .map(|k| {
-            let help = match k.default {
-                Some(d) => format!("{} [default: {d}]", k.help),
-                None => k.help.to_string(),
-            };
+            let default =
+                if k.default.is_empty() { String::new() } else { format!(" [default: {}]", k.default) };
             clap::Arg::new(k.name)
-                .long(leak(k.name.replace('_', "-")))
-                .env(leak(format!("SNOOZE_{}", k.name.to_uppercase())))
-                .hide_env_values(k.secret)
+                .long(leak(k.flag()[2..].to_string()))
+                .env(leak(k.env()))
+                .hide_env_values(k.secret())
                 .allow_hyphen_values(true)
                 .value_name("VALUE")
-                .help(help)
+                .help(format!("{}{default}", k.help()))
         })
         .collect()
 }
 
-/// The `[server]` keys set by flag or environment.
+/// The `[server]` keys set by flag or environment, with where each came from.
 fn overrides(matches: &clap::ArgMatches) -> RawServer {
     let mut raw = RawServer::default();
     for k in config::SERVER_KEYS {
         if let Ok(Some(v)) = matches.try_get_one::<String>(k.name) {
-            raw.set(k.name, v.clone());
+            let origin = match matches.value_source(k.name) {
+                Some(clap::parser::ValueSource::EnvVariable) => config::Origin::Env,
+                _ => config::Origin::Flag,
+            };
+            raw.set_from(k.name, v.clone(), origin);
         }
     }
     raw

@@ -96,7 +96,7 @@ pub fn recommendations(models: &[ModelStatus], budget: u64, baseline: u64, headr
 async fn stats(State(state): State<AppState>) -> Response {
     let status = state.manager.status().await;
     let pressure = state.manager.pressure_state();
-    let t = state.settings.thresholds;
+    let t = state.settings.thresholds();
     ok_json(json!({
         "devices": devices_json(&state),
         "level": pressure.level,
