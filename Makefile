@@ -11,17 +11,25 @@ STAMP   := $(VENV)/.stamp
 ORT_DYLIB_PATH = $(shell ls $(CURDIR)/$(VENV)/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime.so.1* 2>/dev/null | head -n1)
 export ORT_DYLIB_PATH
 
-.PHONY: run test prepare venv models build bench bench-zipf bench-swap soak bench-embeddings fmt lint clean
+.PHONY: run test prepare browser venv models build bench bench-zipf bench-swap soak bench-embeddings fmt lint clean
 
 run: prepare
 	cargo build --release --bin snooze
 	./target/release/snooze serve
 
-test: prepare
+test: prepare browser
 	cargo test --workspace
 	cd tests/python && ../../$(PY) -m unittest discover -v
 
 prepare: venv models
+
+# Headless Chromium for the dashboard's end-to-end test: Debian's package, installed when
+# missing and this runs as root with apt; otherwise the test says it skipped and why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	  echo "chromium could not be installed: the dashboard test will be skipped"
 
 venv: $(STAMP)
 $(STAMP): scripts/requirements.txt

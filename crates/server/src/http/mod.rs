@@ -10,6 +10,7 @@ pub mod admin;
 pub mod auth;
 pub mod body;
 pub mod codec;
+pub mod dashboard;
 pub mod decode;
 pub mod error;
 pub mod kserve;
@@ -98,6 +99,7 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .merge(kserve::routes())
         .merge(openai::routes())
+        .merge(dashboard::routes())
         .merge(admin)
         // Plain text: `json_errors` gives it the error shape of its path.
         .fallback(|| async { (axum::http::StatusCode::NOT_FOUND, "no such endpoint") })
