@@ -11,7 +11,7 @@ STAMP   := $(VENV)/.stamp
 ORT_DYLIB_PATH = $(shell ls $(CURDIR)/$(VENV)/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime.so.1* 2>/dev/null | head -n1)
 export ORT_DYLIB_PATH
 
-.PHONY: run test prepare browser venv models build bench bench-zipf bench-swap soak bench-embeddings fmt lint clean
+.PHONY: run test prepare browser venv models build bench bench-zipf bench-swap bench-protocols soak bench-embeddings fmt lint clean
 
 run: prepare
 	cargo build --release --bin snooze
@@ -57,6 +57,10 @@ bench-zipf: prepare
 # Weights profiles (prepacked, compact, mapped) vs raw ONNX Runtime: memory, load and swap times.
 bench-swap: prepare
 	cargo bench -p snooze-server --bench swap
+
+# gRPC vs REST JSON vs REST binary on mlp-10m, [1,256] and [64,256], 1 and 8 clients.
+bench-protocols: prepare
+	cargo bench -p snooze-server --bench protocols
 
 # 32 clients, eight 100 MB models, a cgroup that holds about three: SNOOZE_SOAK_SECS (600).
 soak: prepare

@@ -44,7 +44,7 @@ def start_server():
     cfg = os.path.join(tmp, "snooze.toml")
     with open(cfg, "w") as f:
         f.write(f'[models.minilm]\nbackend = "candle"\npath = "{MODEL}"\nkeep_alive = "-1"\n')
-    proc = subprocess.Popen([BINARY, "serve", "--config", cfg, "--http-address", "127.0.0.1:0",
+    proc = subprocess.Popen([BINARY, "serve", "--config", cfg, "--http-address", "127.0.0.1:0", "--grpc-address", "off",
                              "--state-dir", os.path.join(tmp, "state")],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             env=dict(os.environ, NO_COLOR="1"))

@@ -130,15 +130,17 @@ ALL_TYPES = [
 ]
 
 
-def write_all_types(out: str):
-    """Identity for every KServe datatype ORT supports: in_<T> [-1, 3] -> out_<T>."""
-    folder = os.path.join(out, "test", "identity-all-types")
+def write_all_types(out: str, name: str = "identity-all-types", skip: tuple = ()):
+    """Identity for every KServe datatype ORT supports: in_<T> [-1, 3] -> out_<T>
+    (`skip`: datatypes left out, e.g. FP16, which gRPC's typed contents cannot carry)."""
+    folder = os.path.join(out, "test", name)
     path = os.path.join(folder, "model.onnx")
     if os.path.exists(path):
         return
     os.makedirs(folder, exist_ok=True)
     inputs, outputs, nodes = [], [], []
-    for elem, _, kserve in ALL_TYPES:
+    types = [t for t in ALL_TYPES if t[2] not in skip]
+    for elem, _, kserve in types:
         t = kserve.lower()
         inputs.append(helper.make_tensor_value_info(f"in_{t}", elem, ["batch", 3]))
         outputs.append(helper.make_tensor_value_info(f"out_{t}", elem, ["batch", 3]))
@@ -149,7 +151,7 @@ def write_all_types(out: str):
     onnx.checker.check_model(model)
     onnx.save_model(model, path)
     feeds, expected = {}, {}
-    for _, dtype, kserve in ALL_TYPES:
+    for _, dtype, kserve in types:
         t = kserve.lower()
         if dtype is np.object_:
             arr = np.array([["a", "bc", ""], ["déjà", "x", "yz"]], dtype=object)
@@ -160,7 +162,7 @@ def write_all_types(out: str):
         feeds[f"in_{t}"] = arr
         expected[f"out_{t}"] = arr
     check_with_ort(path, feeds, expected)
-    print("generated test/identity-all-types (checked with onnxruntime)")
+    print(f"generated test/{name} (checked with onnxruntime)")
 
 
 def write_corrupt(out: str):
@@ -184,6 +186,7 @@ def main():
         write_mlp(args.out, f"mlp-100m-{i}", 100, seed=100 + i)
     write_mlp(args.out, "mlp-400m", 400, seed=400, external=True)
     write_all_types(args.out)
+    write_all_types(args.out, "identity-typed", skip=("FP16",))
     write_corrupt(args.out)
 
 

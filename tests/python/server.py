@@ -20,6 +20,7 @@ class Server:
         self.config = config
         self.args = args
         self.lines = []
+        self.grpc = None  # host:port of the gRPC service
 
     def __enter__(self):
         if not os.path.exists(BINARY):
@@ -30,7 +31,7 @@ class Server:
             f.write(self.config)
         env = dict(os.environ, NO_COLOR="1")
         self.proc = subprocess.Popen(
-            [BINARY, "serve", "--config", path, "--http-address", "127.0.0.1:0",
+            [BINARY, "serve", "--config", path, "--http-address", "127.0.0.1:0", "--grpc-address", "127.0.0.1:0",
              "--state-dir", os.path.join(self.tmp.name, "state"), *self.args],
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )
@@ -39,6 +40,9 @@ class Server:
         def pump():
             for line in self.proc.stderr:
                 self.lines.append(line)
+                g = re.search(r"gRPC on grpc://([^\s\"]+)", line)
+                if g:
+                    self.grpc = g.group(1)
                 m = re.search(r"listening on http://(\S+)", line)
                 if m and not found.is_set():
                     self.addr = m.group(1)

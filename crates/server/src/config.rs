@@ -75,6 +75,9 @@ macro_rules! server_settings {
 server_settings! {
     /// Where to listen; port 0 picks a free one.
     http_address: String = "127.0.0.1:8080", check socket_address;
+    /// Where the KServe v2 gRPC service (`inference.GRPCInferenceService`) listens; port 0
+    /// picks a free one; `off` = no gRPC.
+    grpc_address: String = "127.0.0.1:8081", check socket_address_or_off;
     /// Memory budget of the whole process: `auto` (what the machine or its memory cgroup
     /// allows, minus `headroom`), a percentage of what exists (`80%`), or a size (`6GiB`).
     host_memory_limit: MemoryLimit = "auto";
@@ -306,6 +309,14 @@ fn socket_address(a: &String) -> Result<(), String> {
 
 /// A check a value must pass beyond parsing (`check positive` in [`server_settings!`]).
 type Check<T> = fn(&T) -> Result<(), String>;
+
+#[allow(clippy::ptr_arg)] // a check of a `String` setting
+fn socket_address_or_off(a: &String) -> Result<(), String> {
+    match a.as_str() {
+        "off" => Ok(()),
+        _ => socket_address(a).map_err(|e| format!("{e} or \"off\"")),
+    }
+}
 
 /// Where a `[server]` value came from, for error messages.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -6,7 +6,9 @@ pub mod client;
 pub mod config;
 pub mod dump;
 pub mod gpu;
+pub mod grpc;
 pub mod http;
+pub mod inference;
 pub mod listener;
 
 use std::{future::Future, sync::Arc, time::Duration};
@@ -236,6 +238,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
 /// in-flight requests finish within `shutdown_timeout`, unloads every model and returns.
 pub async fn serve(
     listener: tokio::net::TcpListener,
+    grpc: Option<tokio::net::TcpListener>,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
@@ -250,6 +253,13 @@ pub async fn serve(
         max_connections: s.max_connections,
     };
     let drain = state.clone();
+    // gRPC stops once the drain is over; until then its calls are refused like REST's.
+    let (drained, mut drained_rx) = tokio::sync::watch::channel(false);
+    let grpc = grpc.map(|l| {
+        tokio::spawn(grpc::serve(l, state.clone(), async move {
+            let _ = drained_rx.wait_for(|d| *d).await;
+        }))
+    });
     let stop = async move {
         shutdown.await;
         tracing::info!("shutting down: refusing new work, waiting for requests in flight");
@@ -264,7 +274,14 @@ pub async fn serve(
             );
         }
     };
+    let stop = async move {
+        stop.await;
+        let _ = drained.send(true);
+    };
     listener::serve(listener, router(state.clone()), limits, stop).await;
+    if let Some(task) = grpc {
+        task.await??;
+    }
     Ok(())
 }
 

@@ -216,9 +216,21 @@ async fn serve(args: ServeArgs, overrides: RawServer) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(&config.server.http_address)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", config.server.http_address))?;
+    let grpc = match config.server.grpc_address.as_str() {
+        "off" => None,
+        address => {
+            let l = tokio::net::TcpListener::bind(address).await.map_err(|e| {
+                anyhow::anyhow!("cannot listen on {address} (grpc_address): {e}; set grpc_address = \"off\" to serve without gRPC")
+            })?;
+            let addr = l.local_addr()?;
+            tracing::info!(address = %addr, "gRPC on grpc://{addr}");
+            Some(l)
+        }
+    };
+    // Last: whoever waits for this line finds both services up.
     let addr = listener.local_addr()?;
     tracing::info!(address = %addr, models = config.models.len(), "listening on http://{addr}");
-    snooze_server::serve(listener, state, shutdown_signal()).await
+    snooze_server::serve(listener, grpc, state, shutdown_signal()).await
 }
 
 fn guess_backend(path: &std::path::Path) -> &'static str {
@@ -262,7 +274,7 @@ fn dump_diff(before: PathBuf, after: PathBuf) -> anyhow::Result<()> {
 fn check(path: PathBuf, model_dir: Option<PathBuf>) -> anyhow::Result<()> {
     let config = load_config(Some(&path), RawServer::default(), model_dir)?;
     println!("{}: ok", path.display());
-    println!("listen:   {}", config.server.http_address);
+    println!("listen:   {} (gRPC: {})", config.server.http_address, config.server.grpc_address);
     println!(
         "budget:   {:?}, headroom {}",
         config.server.host_memory_limit,

@@ -26,6 +26,8 @@ enum Source<'r> {
         offset: usize,
         size: usize,
     },
+    /// Bytes of their own (gRPC's `raw_input_contents`), in the binary layout.
+    Raw(&'r [u8]),
 }
 
 /// One input whose header has been checked; its data is not decoded yet.
@@ -56,28 +58,7 @@ pub fn plan_inputs<'r>(
     let mut offset = 0usize;
     for input in &req.inputs {
         let name = input.name.as_str();
-        let datatype = DataType::parse(&input.datatype).ok_or_else(|| {
-            bad(format!(
-                "input '{name}' has unknown datatype '{}' (expected one of BOOL, UINT8..UINT64, INT8..INT64, FP16, FP32, FP64, BYTES)",
-                input.datatype
-            ))
-        })?;
-        let count = Tensor::shape_elements(&input.shape)
-            .ok_or_else(|| bad(format!("input '{name}' has an invalid shape {:?}", input.shape)))?;
-        if let Some(size) = datatype.element_size() {
-            count.checked_mul(size).filter(|b| isize::try_from(*b).is_ok()).ok_or_else(|| {
-                bad(format!("input '{name}': shape {:?} is larger than any tensor can be", input.shape))
-            })?;
-        }
-        if !seen.insert(name) {
-            return Err(bad(format!("input '{name}' is given twice")));
-        }
-        if let Some(sig) = sig {
-            let spec = sig.inputs.iter().find(|s| s.name == name).ok_or_else(|| {
-                bad(format!("model '{model}' has no input '{name}' (inputs: {})", names(&sig.inputs)))
-            })?;
-            spec.check_header(name, datatype, &input.shape).map_err(bad)?;
-        }
+        let (datatype, count) = check_header(name, &input.datatype, &input.shape, sig, model, &mut seen)?;
         let source = match (input.parameters.get("binary_data_size"), input.data) {
             (Some(_), Some(_)) => {
                 return Err(bad(format!("input '{name}' has both data and binary_data_size")));
@@ -116,10 +97,65 @@ pub fn plan_inputs<'r>(
     if offset != binary_len {
         return Err(bad(format!("the body has {} binary bytes that no input claims", binary_len - offset)));
     }
-    if let Some(missing) = sig.and_then(|s| s.inputs.iter().find(|s| !seen.contains(s.name.as_str()))) {
-        return Err(bad(format!("input '{}' is missing", missing.name)));
-    }
+    check_complete(sig, &seen)?;
     Ok(plans)
+}
+
+/// Checks one input's name, datatype and shape against the model's metadata (when its
+/// files could be read) and against the inputs `seen` before it, with checked
+/// arithmetic: every protocol's first step, before any data is looked at. Returns the
+/// datatype and the element count the shape declares.
+pub fn check_header<'r>(
+    name: &'r str,
+    datatype: &str,
+    shape: &[i64],
+    sig: Option<&ModelSignature>,
+    model: &str,
+    seen: &mut HashSet<&'r str>,
+) -> Result<(DataType, usize), SnoozeError> {
+    let dt = DataType::parse(datatype).ok_or_else(|| {
+        bad(format!(
+            "input '{name}' has unknown datatype '{datatype}' (expected one of BOOL, UINT8..UINT64, INT8..INT64, FP16, FP32, FP64, BYTES)"
+        ))
+    })?;
+    let count = Tensor::shape_elements(shape)
+        .ok_or_else(|| bad(format!("input '{name}' has an invalid shape {shape:?}")))?;
+    if let Some(size) = dt.element_size() {
+        count.checked_mul(size).filter(|b| isize::try_from(*b).is_ok()).ok_or_else(|| {
+            bad(format!("input '{name}': shape {shape:?} is larger than any tensor can be"))
+        })?;
+    }
+    if !seen.insert(name) {
+        return Err(bad(format!("input '{name}' is given twice")));
+    }
+    if let Some(sig) = sig {
+        let spec = sig.inputs.iter().find(|s| s.name == name).ok_or_else(|| {
+            bad(format!("model '{model}' has no input '{name}' (inputs: {})", names(&sig.inputs)))
+        })?;
+        spec.check_header(name, dt, shape).map_err(bad)?;
+    }
+    Ok((dt, count))
+}
+
+/// After every input's header: none the model needs is missing.
+pub fn check_complete(sig: Option<&ModelSignature>, seen: &HashSet<&str>) -> Result<(), SnoozeError> {
+    match sig.and_then(|s| s.inputs.iter().find(|s| !seen.contains(s.name.as_str()))) {
+        Some(missing) => Err(bad(format!("input '{}' is missing", missing.name))),
+        None => Ok(()),
+    }
+}
+
+/// An input whose data is `bytes` in the binary layout (little-endian; BYTES with a
+/// 4-byte length before each element), checked against its header.
+pub fn plan_raw<'r>(
+    name: &'r str,
+    datatype: DataType,
+    shape: &'r [i64],
+    count: usize,
+    bytes: &'r [u8],
+) -> Result<InputPlan<'r>, SnoozeError> {
+    check_binary_size(name, datatype, count, bytes.len())?;
+    Ok(InputPlan { name, datatype, shape, count, source: Source::Raw(bytes) })
 }
 
 fn names(specs: &[snooze_core::TensorSpec]) -> String {
@@ -157,6 +193,7 @@ pub fn decode(plans: Vec<InputPlan<'_>>, binary: &[u8]) -> Result<Vec<Tensor>, S
             let data = match p.source {
                 Source::Json(raw) => from_json(&p, raw)?,
                 Source::Binary { offset, size } => from_binary(&p, &binary[offset..offset + size])?,
+                Source::Raw(bytes) => from_binary(&p, bytes)?,
             };
             if data.len() != p.count {
                 return Err(bad(format!(

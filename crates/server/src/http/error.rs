@@ -28,24 +28,41 @@ impl From<SnoozeError> for AppError {
     }
 }
 
-/// The ARCHITECTURE table, HTTP column.
-pub fn status_of(e: &SnoozeError) -> StatusCode {
+/// The ARCHITECTURE table: one error kind, one HTTP status and one gRPC code, for
+/// every protocol (REST handlers through [`status_of`], gRPC through `grpc::status`).
+pub fn wire_codes(e: &SnoozeError) -> (StatusCode, tonic::Code) {
+    use tonic::Code;
     match e.kind {
-        ErrorKind::ModelNotFound => StatusCode::NOT_FOUND,
-        ErrorKind::InvalidInput => StatusCode::BAD_REQUEST,
-        ErrorKind::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-        ErrorKind::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
-        ErrorKind::Conflict => StatusCode::CONFLICT,
-        ErrorKind::QueueFull => StatusCode::TOO_MANY_REQUESTS,
+        ErrorKind::ModelNotFound => (StatusCode::NOT_FOUND, Code::NotFound),
+        ErrorKind::InvalidInput => (StatusCode::BAD_REQUEST, Code::InvalidArgument),
+        ErrorKind::PayloadTooLarge => (StatusCode::PAYLOAD_TOO_LARGE, Code::ResourceExhausted),
+        ErrorKind::RequestTimeout => (StatusCode::REQUEST_TIMEOUT, Code::DeadlineExceeded),
+        ErrorKind::Conflict => (StatusCode::CONFLICT, Code::Aborted),
+        ErrorKind::QueueFull => (StatusCode::TOO_MANY_REQUESTS, Code::ResourceExhausted),
         ErrorKind::Overloaded | ErrorKind::InsufficientMemory | ErrorKind::ShuttingDown => {
-            StatusCode::SERVICE_UNAVAILABLE
+            (StatusCode::SERVICE_UNAVAILABLE, Code::Unavailable)
         }
-        ErrorKind::ModelFailed if e.retry_after.is_some() => StatusCode::SERVICE_UNAVAILABLE,
+        ErrorKind::ModelFailed if e.retry_after.is_some() => {
+            (StatusCode::SERVICE_UNAVAILABLE, Code::Unavailable)
+        }
         ErrorKind::ModelFailed | ErrorKind::Inference | ErrorKind::Internal => {
-            StatusCode::INTERNAL_SERVER_ERROR
+            (StatusCode::INTERNAL_SERVER_ERROR, Code::Internal)
         }
-        ErrorKind::Unauthorized => StatusCode::UNAUTHORIZED,
+        ErrorKind::Unauthorized => (StatusCode::UNAUTHORIZED, Code::Unauthenticated),
     }
+}
+
+/// The HTTP column of [`wire_codes`].
+pub fn status_of(e: &SnoozeError) -> StatusCode {
+    wire_codes(e).0
+}
+
+/// Seconds of `Retry-After` for `e`: its own estimate, else the default for refusals
+/// (503, 429), else none.
+pub fn retry_after_secs(e: &SnoozeError) -> Option<u64> {
+    let refused = matches!(status_of(e), StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS);
+    let after = e.retry_after.or(refused.then_some(DEFAULT_RETRY_AFTER))?;
+    Some(after.as_secs_f64().ceil().max(1.0) as u64)
 }
 
 /// The response for `e` with `body`: its status, `Retry-After` on every 503 and on any
@@ -57,11 +74,8 @@ pub fn error_response(e: &SnoozeError, body: Value) -> Response {
         tracing::warn!(status = status.as_u16(), code = e.kind.code(), error = %e.message, "request failed");
     }
     let mut resp = (status, Json(body)).into_response();
-    let refused = matches!(status, StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS);
-    let after = e.retry_after.or(refused.then_some(DEFAULT_RETRY_AFTER));
     let headers = resp.headers_mut();
-    if let Some(after) = after {
-        let secs = after.as_secs_f64().ceil().max(1.0) as u64;
+    if let Some(secs) = retry_after_secs(e) {
         headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
     }
     if matches!(e.kind, ErrorKind::PayloadTooLarge | ErrorKind::RequestTimeout) {

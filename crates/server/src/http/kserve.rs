@@ -10,16 +10,14 @@ use axum::{
     Router,
 };
 use serde_json::json;
-use snooze_core::{
-    lifecycle::StateName, ErrorKind, ModelInfo, Priority, SnoozeError, Task, Tensor, TensorData,
-};
+use snooze_core::{lifecycle::StateName, ErrorKind, ModelInfo, Priority, SnoozeError, Tensor};
 
 use super::{
     body::{optional_json, read_body, SMALL_BODY_LIMIT},
     codec::{self, InferRequest, InferResponse, JsonData, OutputEncoding, ResponseOutput},
-    decode::{self, InputPlan},
-    ok_json, AppError, AppState,
+    decode, ok_json, AppError, AppState,
 };
+use crate::inference::{self, PriorityValue};
 
 /// The one version every model has (a model-repository `1/` folder, or a plain file).
 const VERSION: &str = "1";
@@ -173,7 +171,6 @@ async fn infer_once(
     let info = model(state, name, version)?;
     let mut charge = state.request_memory.charge();
     let body = read_body(state, headers, body, state.settings.max_request_size, &mut charge).await?;
-    let large = body.len() >= LARGE_REQUEST;
     let header_len = headers.get(HEADER_LEN).map(|v| v.to_str().unwrap_or("?"));
     let (json_part, binary) = codec::split_body(&body, header_len)?;
     let req: InferRequest = serde_json::from_slice(json_part).map_err(|e| {
@@ -183,78 +180,19 @@ async fn infer_once(
     // then fails with the reason, which is the clearer error.
     let sig = info.signature.as_ref().ok();
     let plans = decode::plan_inputs(&req, binary.len(), sig, name)?;
-    if info.task == Task::Embedding {
-        check_text_count(state, &plans)?;
-    }
-    if let Some(sig) = sig {
-        if let Some((o, _)) =
-            OutputEncoding::of(&req).requested.iter().find(|(o, _)| !sig.outputs.iter().any(|s| &s.name == o))
-        {
-            let outputs = sig.outputs.iter().map(|s| s.name.as_str()).collect::<Vec<_>>().join(", ");
-            return Err(SnoozeError::invalid(format!(
-                "model '{name}' has no output '{o}' (outputs: {outputs})"
-            ))
-            .into());
-        }
-    }
-    let inputs = decode::decode(plans, binary)?;
-    if info.task == Task::Embedding {
-        check_text_lengths(state, &inputs)?;
+    for p in &plans {
+        inference::check_text_count(state, info, p.name, p.count)?;
     }
     let encoding = OutputEncoding::of(&req);
+    inference::check_requested_outputs(sig, name, encoding.requested.iter().map(|(o, _)| o.as_str()))?;
+    let inputs = decode::decode(plans, binary)?;
     let priority = priority(headers, Some(&req.parameters))?;
-    // What the request holds from here on: its tensors and the copy kept for an
-    // out-of-memory retry; the body is given back before the model runs.
-    let decoded: u64 = inputs.iter().map(|t| t.data.byte_size() as u64).sum();
-    charge.grow(decoded.saturating_mul(2))?;
+    // The body is given back before the model runs.
     drop(req);
     drop(body);
-    charge.set(decoded.saturating_mul(2))?;
-    let outputs = state.manager.infer(name, priority, inputs, encoding.output_names()).await?;
-    let response = encode(name, &encoding, &outputs);
-    if state.settings.low_ram_mode && large {
-        drop(outputs);
-        tokio::task::spawn_blocking(snooze_core::memory::trim_heap);
-    }
-    Ok(response)
+    let outputs = inference::run(state, info, inputs, encoding.output_names(), priority, &mut charge).await?;
+    Ok(encode(name, &encoding, &outputs))
 }
-
-/// An embedding model's BYTES input obeys the limits of `/v1/embeddings`: the count
-/// before anything is decoded, ...
-fn check_text_count(state: &AppState, plans: &[InputPlan<'_>]) -> Result<(), SnoozeError> {
-    let max = state.settings.max_embedding_inputs;
-    match plans.iter().find(|p| p.count > max) {
-        Some(p) => Err(SnoozeError::invalid(format!(
-            "input '{}' holds {} texts, more than max_embedding_inputs ({max})",
-            p.name, p.count
-        ))),
-        None => Ok(()),
-    }
-}
-
-/// ... and the length of each text once it is.
-fn check_text_lengths(state: &AppState, inputs: &[Tensor]) -> Result<(), SnoozeError> {
-    let max = state.settings.max_input_chars;
-    for t in inputs {
-        let TensorData::Bytes(items) = &t.data else { continue };
-        for (i, b) in items.iter().enumerate() {
-            // Bytes bound the characters: count only what could be too long.
-            if b.len() > max {
-                let chars = String::from_utf8_lossy(b).chars().count();
-                if chars > max {
-                    return Err(SnoozeError::invalid(format!(
-                        "input '{}' element {i} has {chars} characters, more than max_input_chars ({max})",
-                        t.name
-                    )));
-                }
-            }
-        }
-    }
-    Ok(())
-}
-
-/// In low-RAM mode the heap is trimmed after requests at least this large.
-const LARGE_REQUEST: usize = 1 << 20;
 
 /// A request's priority: the `x-snooze-priority` header (`high`, `normal`, `low`), else
 /// the KServe `priority` parameter — a name, or Triton's number (1 = high, 2 = normal,
@@ -263,25 +201,32 @@ pub fn priority(
     headers: &HeaderMap,
     parameters: Option<&codec::Parameters<'_>>,
 ) -> Result<Option<Priority>, SnoozeError> {
-    let bad = |what: &str| {
-        SnoozeError::invalid(format!("{what} is not a priority: use \"high\", \"normal\" or \"low\""))
+    let header = match headers.get("x-snooze-priority") {
+        Some(v) => Some(v.to_str().map_err(|_| {
+            SnoozeError::invalid(
+                "the x-snooze-priority header is not a priority: use \"high\", \"normal\" or \"low\"",
+            )
+        })?),
+        None => None,
     };
-    if let Some(v) = headers.get("x-snooze-priority") {
-        let text = v.to_str().map_err(|_| bad("the x-snooze-priority header"))?;
-        return Priority::parse(text).map(Some).ok_or_else(|| bad(&format!("x-snooze-priority '{text}'")));
-    }
-    let Some(raw) = parameters.and_then(|p| p.get("priority")) else { return Ok(None) };
-    if let Ok(n) = serde_json::from_str::<u64>(raw.get()) {
-        return Ok(match n {
-            0 => None,
-            1 => Some(Priority::High),
-            2 => Some(Priority::Normal),
-            _ => Some(Priority::Low),
-        });
-    }
-    let text: String =
-        serde_json::from_str(raw.get()).map_err(|_| bad(&format!("parameters.priority {}", raw.get())))?;
-    Priority::parse(&text).map(Some).ok_or_else(|| bad(&format!("parameters.priority '{text}'")))
+    let raw = parameters.and_then(|p| p.get("priority"));
+    let text: Option<String>;
+    let parameter = match raw {
+        None => None,
+        Some(raw) => match serde_json::from_str::<u64>(raw.get()) {
+            Ok(n) => Some(PriorityValue::Number(n)),
+            Err(_) => {
+                text = Some(serde_json::from_str::<String>(raw.get()).map_err(|_| {
+                    SnoozeError::invalid(format!(
+                        "parameters.priority {} is not a priority: use \"high\", \"normal\" or \"low\"",
+                        raw.get()
+                    ))
+                })?);
+                text.as_deref().map(PriorityValue::Name)
+            }
+        },
+    };
+    inference::priority(header, parameter)
 }
 
 fn encode(name: &str, enc: &OutputEncoding, outputs: &[Tensor]) -> Response {
@@ -342,17 +287,22 @@ async fn repository_index(
         .iter()
         .filter(|s| req.ready != Some(true) || s.state == StateName::Ready)
         .map(|s| {
-            let (st, reason) = match s.state {
-                StateName::Ready => ("READY", String::new()),
-                StateName::Loading => ("LOADING", String::new()),
-                StateName::Unloading => ("UNLOADING", String::new()),
-                StateName::Unloaded => ("UNAVAILABLE", "unloaded; loads on its first request".to_string()),
-                StateName::Failed => ("UNAVAILABLE", s.last_error.clone().unwrap_or_default()),
-            };
+            let (st, reason) = index_state(s);
             json!({"name": s.name, "version": VERSION, "state": st, "reason": reason})
         })
         .collect();
     Ok(ok_json(json!(list)))
+}
+
+/// A model's state in the repository index (REST and gRPC), with the reason.
+pub fn index_state(s: &snooze_core::lifecycle::ModelStatus) -> (&'static str, String) {
+    match s.state {
+        StateName::Ready => ("READY", String::new()),
+        StateName::Loading => ("LOADING", String::new()),
+        StateName::Unloading => ("UNLOADING", String::new()),
+        StateName::Unloaded => ("UNAVAILABLE", "unloaded; loads on its first request".to_string()),
+        StateName::Failed => ("UNAVAILABLE", s.last_error.clone().unwrap_or_default()),
+    }
 }
 
 /// The body of a repository load/unload (its parameters are optional; when present

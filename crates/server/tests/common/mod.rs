@@ -36,6 +36,8 @@ pub fn ort_dylib() -> String {
 pub struct Server {
     pub child: Child,
     pub base: String,
+    /// `host:port` of the gRPC service, unless it is off.
+    pub grpc: Option<String>,
     pub logs: Arc<Mutex<Vec<String>>>,
     pub dir: PathBuf,
     /// Sent as `Authorization: Bearer` by `get`/`post` when set.
@@ -59,6 +61,9 @@ impl Server {
 
     pub fn start_with(cmd: &mut Command, extra_args: &[&str], dir: PathBuf) -> Server {
         cmd.args(["--http-address", "127.0.0.1:0"]);
+        if !extra_args.contains(&"--grpc-address") {
+            cmd.args(["--grpc-address", "127.0.0.1:0"]);
+        }
         if !extra_args.contains(&"--state-dir") {
             cmd.arg("--state-dir").arg(dir.join("state"));
         }
@@ -76,9 +81,15 @@ impl Server {
         let logs = Arc::new(Mutex::new(Vec::new()));
         let (tx, rx) = std::sync::mpsc::channel();
         let sink = logs.clone();
+        let grpc = Arc::new(Mutex::new(None));
+        let grpc_sink = grpc.clone();
         std::thread::spawn(move || {
             let mut tx = Some(tx);
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(addr) = line.split("gRPC on grpc://").nth(1) {
+                    let addr: String = addr.chars().take_while(|c| !c.is_whitespace() && *c != '"').collect();
+                    *grpc_sink.lock().expect("grpc") = Some(addr);
+                }
                 if let Some(addr) = line.split("listening on http://").nth(1) {
                     let addr: String = addr.chars().take_while(|c| !c.is_whitespace() && *c != '"').collect();
                     if let Some(tx) = tx.take() {
@@ -92,7 +103,8 @@ impl Server {
             let _ = child.kill();
             panic!("server did not start: {:?}", logs.lock().expect("logs"))
         });
-        Server { child, base: format!("http://{addr}"), logs, dir, token: None }
+        let grpc = grpc.lock().expect("grpc").clone();
+        Server { child, base: format!("http://{addr}"), grpc, logs, dir, token: None }
     }
 
     pub fn url(&self, path: &str) -> String {
