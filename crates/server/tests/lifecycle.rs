@@ -80,9 +80,21 @@ fn lru_evictions_refusals_and_memory_given_back() {
         ("m5", &["m3", "m5"]),
         ("m6", &["m5", "m6"]),
     ];
-    for (model, resident) in script {
+    for (step, (model, resident)) in script.iter().enumerate() {
         call(&s, model);
-        s.wait_for("evictions to settle", |s| ready_models(s) == *resident);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
+        while ready_models(&s) != *resident {
+            if std::time::Instant::now() > deadline {
+                let (_, models) = s.get("/admin/models");
+                let (_, events) = s.get("/admin/events");
+                panic!(
+                    "step {step} ({model}): resident {:?}, want {resident:?}\nmodels: {models}\nevents: {events}\nlogs: {:?}",
+                    ready_models(&s),
+                    s.logs.lock().expect("logs")
+                );
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
     }
     let loads = counts(&s, "loads");
     let want: Vec<(String, u64)> = (1..=6).map(|i| (format!("m{i}"), 1)).collect();

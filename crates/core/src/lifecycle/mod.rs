@@ -202,7 +202,8 @@ struct Collection {
 pub struct Scheduler {
     config: SchedulerConfig,
     slots: Vec<ModelSlot>,
-    available: BTreeMap<Device, u64>,
+    /// The last probe reading per device, with the bytes accounted when it was taken.
+    available: BTreeMap<Device, (u64, u64)>,
     /// Why a model's files cannot be read, when they cannot.
     unreadable: Vec<Option<String>>,
     /// Dispatched requests: what they were, in case an out-of-memory retry requeues them.
@@ -268,7 +269,27 @@ impl Scheduler {
     /// Records a fresh probe reading of what `device` can still allocate. Not an event:
     /// a reading decides nothing by itself, it is consulted by the next admission.
     pub fn observe_memory(&mut self, device: Device, bytes: u64) {
-        self.available.insert(device, bytes);
+        let accounted = self.accounted(&device);
+        self.available.insert(device, (bytes, accounted));
+    }
+
+    /// What `device` can allocate now by the last reading, corrected by what was
+    /// accounted since: a model that finished unloading after the reading gave its bytes
+    /// back (without this, a reading taken while an evicted model was still leaving
+    /// makes the next load evict a second model it does not need to), and one that
+    /// began loading has taken its bytes.
+    pub(crate) fn probe_free(&self, device: &Device) -> u64 {
+        match self.available.get(device) {
+            None => u64::MAX,
+            Some(&(bytes, then)) => {
+                let now = self.accounted(device);
+                if now <= then {
+                    bytes.saturating_add(then - now)
+                } else {
+                    bytes.saturating_sub(now - then)
+                }
+            }
+        }
     }
 
     /// Records whether the model's files can be read (`Some(why)` when not): a model

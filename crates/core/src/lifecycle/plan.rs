@@ -286,7 +286,7 @@ impl Scheduler {
             need: self.slots[model].admission_bytes(),
             headroom: self.config.headroom,
             budget_free: self.budget(device).saturating_sub(self.accounted(device)),
-            probe_free: self.available.get(device).copied().unwrap_or(u64::MAX),
+            probe_free: self.probe_free(device),
             resident,
             cap: self.config.max_loaded_models,
             critical: self.pressure >= PressureLevel::Critical,

@@ -311,6 +311,35 @@ fn rule3_probe_free_memory_makes_a_load_wait_until_it_is_there() {
 }
 
 #[test]
+fn rule3_a_reading_taken_before_an_unload_ended_evicts_no_second_model() {
+    // Room for three 100 MB models. The probe's last reading was taken with a, b and c
+    // resident (nothing free); then a is unloaded. The reading still says 0 bytes free,
+    // but a's 100 MB came back since it was taken: d loads without evicting anybody.
+    // (Before, a load right after an eviction could evict a second model it did not
+    // need to: the integration test saw one of its 100 MB models evicted twice over.)
+    let mut h = Harness::new(300, &[("a", 100), ("b", 100), ("c", 100), ("d", 100)]);
+    for m in ["a", "b", "c"] {
+        h.call(m).unwrap();
+    }
+    h.s.observe_memory(Device::Cpu, 0);
+    let a = h.id("a");
+    let actions = h.feed(Event::Unload { req: 900, model: a });
+    h.settle(actions);
+    assert_eq!(h.state("a"), StateName::Unloaded);
+    h.call("d").unwrap();
+    assert!(h.evictions().is_empty(), "evicted {:?}", h.evictions());
+    // The other way: a reading taken before d loaded counts d's bytes as taken now.
+    h.s.observe_memory(Device::Cpu, 0);
+    let actions = h.feed(Event::Unload { req: 901, model: h.id("b") });
+    h.settle(actions);
+    h.s.observe_memory(Device::Cpu, 100 * MB); // b's 100 MB free
+    h.call("a").unwrap(); // takes them: no eviction
+    assert!(h.evictions().is_empty(), "evicted {:?}", h.evictions());
+    h.call("b").unwrap(); // the reading (100 free before a loaded) now says 0: one eviction
+    assert_eq!(h.evictions().len(), 1, "evicted {:?}", h.evictions());
+}
+
+#[test]
 fn rule3_indeterminate_footprint_loads_without_the_guard() {
     let mut h = Harness::with(10, &[("x", 0)], |p| {
         p.estimate_steady = None;
