@@ -116,6 +116,10 @@ fn save_prepacked(env: &Environment, onnx: &Path, to: &Path) -> ort::Result<()> 
         .with_optimized_model_path(to)?
         .commit_from_file(onnx)?;
     drop(session);
+    // The conversion held a whole session that no footprint accounts for: give it back
+    // to the OS now, not at the next unload (until then the probe sees it as taken, and
+    // the next admission would evict for it).
+    snooze_core::memory::trim_heap();
     Ok(())
 }
 
@@ -170,6 +174,10 @@ fn convert(env: &Environment, onnx: &Path, to: &Path) -> ort::Result<()> {
         .with_optimized_model_path(to)?
         .commit_from_file(onnx)?;
     drop(session);
+    // The conversion held a whole session that no footprint accounts for: give it back
+    // to the OS now, not at the next unload (until then the probe sees it as taken, and
+    // the next admission would evict for it).
+    snooze_core::memory::trim_heap();
     Ok(())
 }
 

@@ -266,6 +266,15 @@ impl Scheduler {
         self.slots[model].learned_peak_bytes = peak;
     }
 
+    /// Memory given back on purpose (an unload or gc asked for, an emergency) stays
+    /// given back: no model evicted earlier is preloaded into it, until a load evicts
+    /// again.
+    fn forget_evictions(&mut self) {
+        for s in &mut self.slots {
+            s.evicted_at = None;
+        }
+    }
+
     /// Records a fresh probe reading of what `device` can still allocate. Not an event:
     /// a reading decides nothing by itself, it is consulted by the next admission.
     pub fn observe_memory(&mut self, device: Device, bytes: u64) {
@@ -337,7 +346,10 @@ impl Scheduler {
         match event {
             Event::Submit(s) => self.on_submit(now, s),
             Event::Load { req, model } => self.on_load(now, req, model),
-            Event::Unload { req, model } => self.on_unload(req, model),
+            Event::Unload { req, model } => {
+                self.forget_evictions();
+                self.on_unload(req, model)
+            }
             Event::Cancel { req } => self.on_cancel(req),
             Event::RunFinished { model, reqs, outcome, took } => {
                 self.on_run_finished(now, model, reqs, outcome, took)
@@ -346,12 +358,14 @@ impl Scheduler {
             Event::UnloadFinished { model } => self.on_unload_finished(now, model),
             Event::PromoteFinished { model, result } => self.on_promote_finished(model, result),
             Event::Collect { req, except, include_pinned, reason } => {
+                self.forget_evictions();
                 self.on_collect(req, except, include_pinned, reason)
             }
             Event::Shutdown => self.on_shutdown(),
             Event::Pressure(level) => {
                 self.pressure = level;
                 if level == PressureLevel::Emergency {
+                    self.forget_evictions();
                     for id in 0..self.slots.len() {
                         if self.slots[id].idle().is_some() && !self.slots[id].policy.pinned {
                             self.begin_unload(id, UnloadReason::Pressure);

@@ -384,6 +384,25 @@ fn a_model_evicted_for_another_comes_back_when_it_fits_again_and_only_then() {
 }
 
 #[test]
+fn memory_given_back_on_request_is_not_refilled_by_a_preload() {
+    // a is evicted for b; then b is unloaded on request: the room is free, but the user
+    // asked for memory back, so a (evicted earlier, cheap to load) does not come back.
+    let mut h = Harness::with(150, &[("a", 100), ("b", 100)], |_| {});
+    h.call("a").unwrap();
+    h.at(1.0);
+    h.call("b").unwrap(); // evicts a
+    assert_eq!(h.evictions(), ["a"]);
+    let b = h.id("b");
+    let actions = h.feed(Event::Unload { req: 900, model: b });
+    h.settle(actions);
+    h.at(2.0);
+    let actions = h.tick();
+    h.settle(actions);
+    assert_eq!(h.loads(), ["a", "b"], "nothing preloaded after an unload asked for");
+    assert_eq!(h.state("a"), StateName::Unloaded);
+}
+
+#[test]
 fn a_swap_that_costs_little_is_due_sooner() {
     // c loads in 10 ms and its first run takes 4 ms: a swap for it is due after 4 x 14 ms,
     // not after the 200 ms max_swap_delay.
