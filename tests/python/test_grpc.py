@@ -274,44 +274,23 @@ class GrpcConformanceTest(unittest.TestCase):
         cases = []
         # Unknown model: NOT_FOUND / 404.
         cases.append(("unknown model", service_pb2.ModelInferRequest(model_name="nope"), grpc.StatusCode.NOT_FOUND))
-        # Unknown input: INVALID_ARGUMENT / 400.
-        r = service_pb2.ModelInferRequest(model_name="mlp")
-        t = r.inputs.add(name="z", datatype="FP32", shape=[1, 256])
-        t.contents.fp32_contents.extend([0.0] * 256)
-        cases.append(("unknown input", r, grpc.StatusCode.INVALID_ARGUMENT))
-        # A declared shape no body backs: a 400 that costs nothing.
-        r = service_pb2.ModelInferRequest(model_name="mlp")
-        r.inputs.add(name="x", datatype="FP32", shape=[1099511627776, 256])
-        r.raw_input_contents.append(b"")
-        cases.append(("huge declared shape", r, grpc.StatusCode.INVALID_ARGUMENT))
-        r = service_pb2.ModelInferRequest(model_name="mlp")
-        r.inputs.add(name="x", datatype="FP32", shape=[4611686018427387904, 4])
-        r.raw_input_contents.append(b"\0" * 16)
-        cases.append(("overflowing shape", r, grpc.StatusCode.INVALID_ARGUMENT))
-        # Raw bytes that do not match the shape.
-        r = service_pb2.ModelInferRequest(model_name="mlp")
-        r.inputs.add(name="x", datatype="FP32", shape=[1, 256])
-        r.raw_input_contents.append(b"\0" * 1000)
-        cases.append(("raw size", r, grpc.StatusCode.INVALID_ARGUMENT))
-        # Typed contents in the wrong field, or too few.
-        r = service_pb2.ModelInferRequest(model_name="mlp")
-        t = r.inputs.add(name="x", datatype="FP32", shape=[1, 256])
-        t.contents.int_contents.extend([0] * 256)
-        cases.append(("wrong contents field", r, grpc.StatusCode.INVALID_ARGUMENT))
-        r = service_pb2.ModelInferRequest(model_name="mlp")
-        t = r.inputs.add(name="x", datatype="FP32", shape=[2, 256])
-        t.contents.fp32_contents.extend([0.0] * 256)
-        cases.append(("too few elements", r, grpc.StatusCode.INVALID_ARGUMENT))
-        # Over max_request_size (4 MiB): RESOURCE_EXHAUSTED / 413.
-        r = service_pb2.ModelInferRequest(model_name="mlp")
-        r.inputs.add(name="x", datatype="FP32", shape=[5000, 256])
-        r.raw_input_contents.append(b"\0" * (5000 * 256 * 4))
-        cases.append(("too large", r, grpc.StatusCode.RESOURCE_EXHAUSTED))
-        # A model that can never fit: UNAVAILABLE / 503 with retry-after.
-        r = service_pb2.ModelInferRequest(model_name="huge")
-        r.inputs.add(name="x", datatype="FP32", shape=list(x.shape))
-        r.raw_input_contents.append(x.tobytes())
-        cases.append(("never fits", r, grpc.StatusCode.UNAVAILABLE))
+        bad, full = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
+        cases += [
+            # Unknown input: INVALID_ARGUMENT / 400.
+            ("unknown input", typed_request("mlp", "z", [1, 256], "fp32_contents", [0.0] * 256), bad),
+            # A declared shape no body backs: a 400 that costs nothing.
+            ("huge declared shape", raw_request("mlp", [1099511627776, 256], b""), bad),
+            ("overflowing shape", raw_request("mlp", [4611686018427387904, 4], b"\0" * 16), bad),
+            # Raw bytes that do not match the shape.
+            ("raw size", raw_request("mlp", [1, 256], b"\0" * 1000), bad),
+            # Typed contents in the wrong field, or too few.
+            ("wrong contents field", typed_request("mlp", "x", [1, 256], "int_contents", [0] * 256), bad),
+            ("too few elements", typed_request("mlp", "x", [2, 256], "fp32_contents", [0.0] * 256), bad),
+            # Over max_request_size (4 MiB): RESOURCE_EXHAUSTED / 413.
+            ("too large", raw_request("mlp", [5000, 256], b"\0" * (5000 * 256 * 4)), full),
+            # A model that can never fit: UNAVAILABLE / 503 with retry-after.
+            ("never fits", raw_request("huge", list(x.shape), x.tobytes()), grpc.StatusCode.UNAVAILABLE),
+        ]
         for what, request, code in cases:
             resp, err = self.call(request)
             self.assertIsNone(resp, what)
@@ -342,6 +321,20 @@ class GrpcConformanceTest(unittest.TestCase):
         for name, (dt, arr) in typed.items():
             add_typed(r, name, dt, arr)
         return outputs(self.stub.ModelInfer(r, timeout=60))
+
+
+def raw_request(model, shape, data, name="x", datatype="FP32"):
+    r = service_pb2.ModelInferRequest(model_name=model)
+    r.inputs.add(name=name, datatype=datatype, shape=shape)
+    r.raw_input_contents.append(data)
+    return r
+
+
+def typed_request(model, name, shape, field, values, datatype="FP32"):
+    r = service_pb2.ModelInferRequest(model_name=model)
+    t = r.inputs.add(name=name, datatype=datatype, shape=shape)
+    getattr(t.contents, field).extend(values)
+    return r
 
 
 def add_typed(request, name, dt, arr):

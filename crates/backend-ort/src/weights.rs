@@ -108,17 +108,19 @@ pub(crate) fn prepacked_file(
 }
 
 fn save_prepacked(env: &Environment, onnx: &Path, to: &Path) -> ort::Result<()> {
-    let session = Session::builder(env)?
+    let builder = Session::builder(env)?
         .with_optimization_level(GraphOptimizationLevel::Level2)?
         .with_config_entry("session.optimized_model_external_initializers_file_name", "model.data")?
         .with_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")?
-        .with_config_entry("session.save_external_prepacked_constant_initializers", "1")?
-        .with_optimized_model_path(to)?
-        .commit_from_file(onnx)?;
-    drop(session);
-    // The conversion held a whole session that no footprint accounts for: give it back
-    // to the OS now, not at the next unload (until then the probe sees it as taken, and
-    // the next admission would evict for it).
+        .with_config_entry("session.save_external_prepacked_constant_initializers", "1")?;
+    save_optimized(builder, onnx, to)
+}
+
+/// Creates a throwaway session that writes the optimised model to `to`, then gives its
+/// memory back: it held a whole session that no footprint accounts for, and until the
+/// heap is trimmed the probe sees it as taken (the next admission would evict for it).
+fn save_optimized(builder: ort::session::builder::SessionBuilder, onnx: &Path, to: &Path) -> ort::Result<()> {
+    drop(builder.with_optimized_model_path(to)?.commit_from_file(onnx)?);
     snooze_core::memory::trim_heap();
     Ok(())
 }
@@ -167,18 +169,11 @@ pub(crate) fn ort_format_file(
 /// Saves the model as ONNX Runtime optimises it at the extended level (portable across
 /// CPUs: no layout transforms for one instruction set), in the ORT format.
 fn convert(env: &Environment, onnx: &Path, to: &Path) -> ort::Result<()> {
-    let session = Session::builder(env)?
+    let builder = Session::builder(env)?
         .with_optimization_level(GraphOptimizationLevel::Level2)?
         .with_prepacking(false)?
-        .with_config_entry("session.save_model_format", "ORT")?
-        .with_optimized_model_path(to)?
-        .commit_from_file(onnx)?;
-    drop(session);
-    // The conversion held a whole session that no footprint accounts for: give it back
-    // to the OS now, not at the next unload (until then the probe sees it as taken, and
-    // the next admission would evict for it).
-    snooze_core::memory::trim_heap();
-    Ok(())
+        .with_config_entry("session.save_model_format", "ORT")?;
+    save_optimized(builder, onnx, to)
 }
 
 fn cache_name(onnx: &Path, runtime: &Path) -> String {

@@ -14,8 +14,8 @@ pub const LARGE_REQUEST: u64 = 1 << 20;
 
 /// A priority as a protocol carries it: a name, or Triton's number (1 = high,
 /// 2 = normal, 3 and more = low, 0 = the model's default).
-pub enum PriorityValue<'a> {
-    Name(&'a str),
+pub enum PriorityValue {
+    Name(String),
     Number(u64),
 }
 
@@ -23,7 +23,7 @@ pub enum PriorityValue<'a> {
 /// request's `priority` parameter, else `None`: the model's default.
 pub fn priority(
     header: Option<&str>,
-    parameter: Option<PriorityValue<'_>>,
+    parameter: Option<PriorityValue>,
 ) -> Result<Option<Priority>, SnoozeError> {
     let bad = |what: &str| {
         SnoozeError::invalid(format!("{what} is not a priority: use \"high\", \"normal\" or \"low\""))
@@ -37,7 +37,7 @@ pub fn priority(
         Some(PriorityValue::Number(2)) => Ok(Some(Priority::Normal)),
         Some(PriorityValue::Number(_)) => Ok(Some(Priority::Low)),
         Some(PriorityValue::Name(text)) => {
-            Priority::parse(text).map(Some).ok_or_else(|| bad(&format!("parameters.priority '{text}'")))
+            Priority::parse(&text).map(Some).ok_or_else(|| bad(&format!("parameters.priority '{text}'")))
         }
     }
 }

@@ -152,7 +152,7 @@ fn priority_of(req: &Request<ModelInferRequest>) -> Result<Option<snooze_core::P
         None => None,
         Some(ParameterChoice::Int64Param(n)) => Some(PriorityValue::Number(u64::try_from(*n).unwrap_or(3))),
         Some(ParameterChoice::Uint64Param(n)) => Some(PriorityValue::Number(*n)),
-        Some(ParameterChoice::StringParam(s)) => Some(PriorityValue::Name(s)),
+        Some(ParameterChoice::StringParam(s)) => Some(PriorityValue::Name(s.clone())),
         Some(_) => return Err(SnoozeError::invalid("parameters.priority must be a name or a number")),
     };
     inference::priority(header, parameter)

@@ -209,22 +209,17 @@ pub fn priority(
         })?),
         None => None,
     };
-    let raw = parameters.and_then(|p| p.get("priority"));
-    let text: Option<String>;
-    let parameter = match raw {
+    let parameter = match parameters.and_then(|p| p.get("priority")) {
         None => None,
-        Some(raw) => match serde_json::from_str::<u64>(raw.get()) {
-            Ok(n) => Some(PriorityValue::Number(n)),
-            Err(_) => {
-                text = Some(serde_json::from_str::<String>(raw.get()).map_err(|_| {
-                    SnoozeError::invalid(format!(
-                        "parameters.priority {} is not a priority: use \"high\", \"normal\" or \"low\"",
-                        raw.get()
-                    ))
-                })?);
-                text.as_deref().map(PriorityValue::Name)
-            }
-        },
+        Some(raw) => Some(match serde_json::from_str::<u64>(raw.get()) {
+            Ok(n) => PriorityValue::Number(n),
+            Err(_) => PriorityValue::Name(serde_json::from_str(raw.get()).map_err(|_| {
+                SnoozeError::invalid(format!(
+                    "parameters.priority {} is not a priority: use \"high\", \"normal\" or \"low\"",
+                    raw.get()
+                ))
+            })?),
+        }),
     };
     inference::priority(header, parameter)
 }
