@@ -16,17 +16,17 @@
 
 mod layout;
 mod model;
-pub mod truncate;
 
 use std::{fs, path::Path, sync::Arc};
 
 use candle_nn::VarBuilder;
 use candle_transformers::models::bert::{self, BertModel};
 use snooze_core::{Backend, Device, FootprintEstimate, LoadError, LoadSpec, LoadedModel, ModelSignature};
-use tokenizers::{Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy};
+use snooze_text::TextEncoder;
 
-pub use layout::{parse_pooling_config, weight_files, ModelLayout, Pooling};
-pub use model::{CandleModel, OUTPUT_NAME};
+pub use layout::{weight_files, ModelLayout};
+pub use model::CandleModel;
+pub use snooze_text::{kserve::OUTPUT_NAME, Pooling};
 
 /// Footprint of a resident model = weights as f32 × `STEADY_FACTOR` + `FLOOR_BYTES`.
 ///
@@ -84,8 +84,8 @@ impl Backend for CandleBackend {
             );
         }
         let layout = ModelLayout::read(&spec.path).map_err(LoadError::Failed)?;
-        let weights = weight_files(&layout.transformer_dir).map_err(LoadError::Failed)?;
-        let tokenizer = load_tokenizer(&layout)?;
+        let weights = weight_files(&layout.sentence.transformer_dir).map_err(LoadError::Failed)?;
+        let encoder = TextEncoder::load(&layout.sentence).map_err(LoadError::Failed)?;
         let device = candle_device(&spec.device)?;
         // SAFETY: the files are mapped read-only and only while the encoder is built;
         // Candle copies every tensor out of the mapping before `vb` is dropped.
@@ -93,43 +93,23 @@ impl Backend for CandleBackend {
             unsafe { VarBuilder::from_mmaped_safetensors(&weights, bert::DTYPE, &device) }.map_err(|e| {
                 LoadError::Failed(format!(
                     "cannot map the weights in {}: {e}",
-                    layout.transformer_dir.display()
+                    layout.sentence.transformer_dir.display()
                 ))
             })?;
         let bert = BertModel::load(vb, &layout.config).map_err(|e| {
             LoadError::Failed(format!(
                 "the weights in {} do not fit its config.json as a BERT model: {e}",
-                layout.transformer_dir.display()
+                layout.sentence.transformer_dir.display()
             ))
         })?;
-        let signature = model::signature_for(layout.config.hidden_size);
         tracing::info!(
-            pooling = ?layout.pooling,
-            normalize = layout.normalize,
-            max_seq_len = layout.max_seq_len,
+            pooling = ?layout.sentence.pooling,
+            normalize = layout.sentence.normalize,
+            max_seq_len = layout.sentence.max_seq_len,
             "loaded"
         );
-        Ok(Arc::new(CandleModel::new(&layout, bert, tokenizer, device, signature)))
+        Ok(Arc::new(CandleModel::new(&layout, bert, encoder, device)))
     }
-}
-
-/// The tokenizer, set to truncate to the model's limit and never to pad: padding is
-/// done per micro-batch, to its longest sequence, with an attention mask.
-fn load_tokenizer(layout: &ModelLayout) -> Result<Tokenizer, LoadError> {
-    let path = layout.tokenizer_path();
-    let failed =
-        |e: &dyn std::fmt::Display| LoadError::Failed(format!("cannot load {}: {e}", path.display()));
-    let mut tokenizer = Tokenizer::from_file(&path).map_err(|e| failed(&e))?;
-    tokenizer.with_padding(None);
-    tokenizer
-        .with_truncation(Some(TruncationParams {
-            direction: TruncationDirection::Right,
-            max_length: layout.max_seq_len,
-            strategy: TruncationStrategy::LongestFirst,
-            stride: 0,
-        }))
-        .map_err(|e| failed(&e))?;
-    Ok(tokenizer)
 }
 
 fn candle_device(device: &Device) -> Result<candle_core::Device, LoadError> {
@@ -147,14 +127,14 @@ fn candle_device(device: &Device) -> Result<candle_core::Device, LoadError> {
 
 fn estimate(dir: &Path) -> Result<FootprintEstimate, String> {
     let layout = ModelLayout::read(dir)?;
-    let weights = weight_files(&layout.transformer_dir)?;
+    let weights = weight_files(&layout.sentence.transformer_dir)?;
     let mut file_bytes = 0u64;
     let mut f32_bytes = 0u64;
     for w in &weights {
         file_bytes += fs::metadata(w).map_err(|e| format!("cannot read {}: {e}", w.display()))?.len();
         f32_bytes += layout::f32_bytes(w)?;
     }
-    let tokenizer = layout.tokenizer_path();
+    let tokenizer = layout.sentence.tokenizer_path();
     let tokenizer_bytes =
         fs::metadata(&tokenizer).map_err(|e| format!("cannot read {}: {e}", tokenizer.display()))?.len();
     let steady = ((f32_bytes + tokenizer_bytes) as f64 * STEADY_FACTOR) as u64 + FLOOR_BYTES;

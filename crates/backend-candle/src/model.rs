@@ -8,25 +8,10 @@
 
 use candle_core::{DType, Device as CandleDevice, Tensor as CandleTensor, D};
 use candle_transformers::models::bert::BertModel;
-use snooze_core::{
-    DataType, EmbedInput, Embedder, Embeddings, InferError, LoadedModel, ModelSignature, Tensor, TensorData,
-};
-use tokenizers::Tokenizer;
+use snooze_core::{EmbedInput, Embedder, Embeddings, InferError, LoadedModel, ModelSignature, Tensor};
+use snooze_text::{kserve, Pooling, TextEncoder};
 
-use crate::layout::{ModelLayout, Pooling};
-
-/// Padded tokens per forward pass, for short inputs.
-const TOKENS_PER_PASS: usize = 8192;
-
-/// Attention-score elements per forward pass (`sequences × heads × len²`), for long
-/// inputs. Candle's BERT keeps about five score-sized tensors alive per layer (scores,
-/// scaled, masked, softmax, ...): at 32 × 256 tokens and 12 heads that was a transient
-/// 580 MiB over the weights. 4 Mi elements (16 MiB per tensor) caps it near 100 MiB and
-/// still runs 5 sequences of 256 tokens at once.
-const ATTENTION_PER_PASS: usize = 4 << 20;
-
-/// The output tensor's name, for KServe and for the signature.
-pub const OUTPUT_NAME: &str = "embedding";
+use crate::layout::ModelLayout;
 
 /// What one full micro-batch pass adds to RSS (see `working_bytes`).
 const WORKING_BYTES: u64 = 192 << 20;
@@ -34,12 +19,10 @@ const WORKING_BYTES: u64 = 192 << 20;
 pub struct CandleModel {
     pub(crate) signature: ModelSignature,
     pub(crate) bert: BertModel,
-    pub(crate) tokenizer: Tokenizer,
+    pub(crate) encoder: TextEncoder,
     pub(crate) device: CandleDevice,
     pub(crate) pooling: Pooling,
     pub(crate) normalize: bool,
-    pub(crate) max_seq_len: usize,
-    pub(crate) vocab_size: usize,
     pub(crate) pad_id: u32,
     pub(crate) dims: usize,
     pub(crate) heads: usize,
@@ -61,19 +44,16 @@ impl CandleModel {
     pub(crate) fn new(
         layout: &ModelLayout,
         bert: BertModel,
-        tokenizer: Tokenizer,
+        encoder: TextEncoder,
         device: CandleDevice,
-        signature: ModelSignature,
     ) -> CandleModel {
         CandleModel {
-            signature,
+            signature: signature_for(layout.config.hidden_size),
             bert,
-            tokenizer,
+            encoder,
             device,
-            pooling: layout.pooling,
-            normalize: layout.normalize,
-            max_seq_len: layout.max_seq_len,
-            vocab_size: layout.config.vocab_size,
+            pooling: layout.sentence.pooling,
+            normalize: layout.sentence.normalize,
             pad_id: u32::try_from(layout.config.pad_token_id).unwrap_or(0),
             dims: layout.config.hidden_size,
             heads: layout.config.num_attention_heads,
@@ -81,61 +61,18 @@ impl CandleModel {
         }
     }
 
-    /// Token ids of each input, truncated to `max_seq_len`.
-    fn token_ids(&self, input: &EmbedInput) -> Result<Vec<Vec<u32>>, InferError> {
-        let seqs: Vec<Vec<u32>> = match input {
-            // The tokenizer was set at load to truncate (keeping its special tokens) and not to pad.
-            EmbedInput::Texts(texts) => {
-                let texts: Vec<&str> = texts
-                    .iter()
-                    .map(|t| crate::truncate::tokenizer_prefix(&self.tokenizer, t, self.max_seq_len))
-                    .collect();
-                let encodings = self
-                    .tokenizer
-                    .encode_batch(texts, true)
-                    .map_err(|e| InferError::InvalidInput(format!("cannot tokenize the input: {e}")))?;
-                encodings.into_iter().map(|e| e.get_ids().to_vec()).collect()
-            }
-            // Ids are the caller's own tokenization, special tokens included: used as given,
-            // cut to the first `max_seq_len`.
-            EmbedInput::TokenIds(ids) => {
-                for (i, seq) in ids.iter().enumerate() {
-                    if let Some(&bad) = seq.iter().find(|&&id| id as usize >= self.vocab_size) {
-                        return Err(InferError::InvalidInput(format!(
-                            "input {i} holds token id {bad}, outside the model's vocabulary of {} tokens",
-                            self.vocab_size
-                        )));
-                    }
-                }
-                ids.iter().map(|s| s[..s.len().min(self.max_seq_len)].to_vec()).collect()
-            }
-        };
-        for (i, s) in seqs.iter().enumerate() {
-            if s.is_empty() {
-                return Err(InferError::InvalidInput(format!("input {i} has no tokens")));
-            }
-        }
-        Ok(seqs)
-    }
-
+    /// Sentence vectors of `seqs`, in micro-batches of similar length (see
+    /// `snooze_text::passes`: Candle's BERT keeps about five score-sized tensors alive
+    /// per layer, which the attention cap bounds near 100 MiB).
     fn embed_ids(&self, seqs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>, InferError> {
-        let mut order: Vec<usize> = (0..seqs.len()).collect();
-        order.sort_by_key(|&i| std::cmp::Reverse(seqs[i].len()));
+        let lengths: Vec<usize> = seqs.iter().map(Vec::len).collect();
         let mut vectors = vec![Vec::new(); seqs.len()];
-        let mut start = 0;
-        while start < order.len() {
-            // Longest first, so the first sequence of a pass sets its padded length.
-            let longest = seqs[order[start]].len();
-            let by_tokens = TOKENS_PER_PASS / longest;
-            let by_attention = ATTENTION_PER_PASS / (self.heads * longest * longest);
-            let count = by_tokens.min(by_attention).clamp(1, order.len() - start);
-            let pass = &order[start..start + count];
+        for pass in snooze_text::passes(&lengths, self.heads) {
             let batch: Vec<&[u32]> = pass.iter().map(|&i| seqs[i].as_slice()).collect();
             let out = self.forward(&batch).map_err(|e| InferError::Failed(format!("candle: {e}")))?;
             for (&i, v) in pass.iter().zip(out) {
                 vectors[i] = v;
             }
-            start += count;
         }
         Ok(vectors)
     }
@@ -197,7 +134,7 @@ impl Embedder for CandleModel {
     }
 
     fn max_tokens(&self) -> usize {
-        self.max_seq_len
+        self.encoder.max_seq_len()
     }
 
     fn normalized(&self) -> bool {
@@ -205,7 +142,7 @@ impl Embedder for CandleModel {
     }
 
     fn embed(&self, input: &EmbedInput) -> Result<Embeddings, InferError> {
-        let seqs = self.token_ids(input)?;
+        let seqs = self.encoder.token_ids(input)?;
         let tokens = seqs.iter().map(Vec::len).collect();
         let vectors = self.embed_ids(&seqs)?;
         Ok(Embeddings::new(vectors, tokens))
@@ -218,42 +155,9 @@ impl LoadedModel for CandleModel {
     }
 
     fn infer(&self, inputs: &[Tensor], outputs: &[String]) -> Result<Vec<Tensor>, InferError> {
-        if let Some(unknown) = outputs.iter().find(|o| o.as_str() != OUTPUT_NAME) {
-            return Err(InferError::InvalidInput(format!(
-                "unknown output '{unknown}'; this model has one output, '{OUTPUT_NAME}'"
-            )));
-        }
-        let input = match inputs.len() {
-            1 => inputs.first(),
-            _ => inputs.iter().find(|t| t.name == "text"),
-        };
-        let input = input.ok_or_else(|| {
-            InferError::InvalidInput(
-                "expected one BYTES input of texts (named 'text' when there are several)".into(),
-            )
-        })?;
-        let name = &input.name;
-        let TensorData::Bytes(items) = &input.data else {
-            return Err(InferError::InvalidInput(format!(
-                "input '{name}' has datatype {} but the model expects BYTES (UTF-8 texts)",
-                input.data.datatype()
-            )));
-        };
-        let texts = items
-            .iter()
-            .enumerate()
-            .map(|(i, bytes)| {
-                String::from_utf8(bytes.clone()).map_err(|_| {
-                    InferError::InvalidInput(format!("input '{name}' element {i} is not valid UTF-8 text"))
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let rows = texts.len();
+        let texts = kserve::texts(inputs, outputs)?;
         let embeddings = self.embed(&EmbedInput::Texts(texts))?;
-        let data: Vec<f32> = embeddings.vectors.into_iter().flatten().collect();
-        let shape =
-            vec![i64::try_from(rows).unwrap_or(i64::MAX), i64::try_from(self.dims).unwrap_or(i64::MAX)];
-        Ok(vec![Tensor::new(OUTPUT_NAME, shape, TensorData::Fp32(data))])
+        Ok(vec![kserve::output(embeddings.vectors, self.dims)])
     }
 
     /// Measured on all-MiniLM-L6-v2 with a full micro-batch: a pass adds 95 MiB with
@@ -269,20 +173,7 @@ impl LoadedModel for CandleModel {
 
 /// The KServe signature: texts in, one vector per text out.
 pub(crate) fn signature_for(hidden_size: usize) -> ModelSignature {
-    let hidden = i64::try_from(hidden_size).unwrap_or(i64::MAX);
-    ModelSignature {
-        platform: "candle_bert".into(),
-        inputs: vec![snooze_core::TensorSpec {
-            name: "text".into(),
-            datatype: DataType::Bytes,
-            shape: vec![-1],
-        }],
-        outputs: vec![snooze_core::TensorSpec {
-            name: OUTPUT_NAME.into(),
-            datatype: DataType::Fp32,
-            shape: vec![-1, hidden],
-        }],
-    }
+    kserve::signature("candle_bert", hidden_size)
 }
 
 #[cfg(test)]
@@ -313,13 +204,5 @@ mod tests {
         let x = CandleTensor::from_vec(vec![3.0f32, 4.0, 0.0, 0.0], (2, 2), &CandleDevice::Cpu).unwrap();
         let n = l2_normalize(&x).unwrap().to_vec2::<f32>().unwrap();
         assert_eq!(n, vec![vec![0.6, 0.8], vec![0.0, 0.0]]);
-    }
-
-    #[test]
-    fn signature_has_text_in_and_embedding_out() {
-        let s = signature_for(384);
-        assert_eq!(s.platform, "candle_bert");
-        assert_eq!((s.inputs[0].name.as_str(), s.inputs[0].datatype), ("text", DataType::Bytes));
-        assert_eq!(s.outputs[0].shape, vec![-1, 384]);
     }
 }

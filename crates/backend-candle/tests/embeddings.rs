@@ -227,7 +227,7 @@ fn long_texts_are_cut_before_tokenizing_and_keep_the_same_tokens() {
     let cjk = "自然语言处理是人工智能的一个分支".repeat(4000);
     let word = format!("{} tail words after it", "x".repeat(50_000));
     for (what, text) in [("mixed", long.as_str()), ("cjk", cjk.as_str()), ("long word", word.as_str())] {
-        let prefix = snooze_backend_candle::truncate::tokenizer_prefix(&tok, text, 256);
+        let prefix = snooze_text::truncate::tokenizer_prefix(&tok, text, 256);
         let full = tok.encode(text, true).unwrap();
         let cut = tok.encode(prefix, true).unwrap();
         assert_eq!(cut.get_ids(), full.get_ids(), "{what}: the cut changed the tokens the model keeps");
@@ -236,7 +236,7 @@ fn long_texts_are_cut_before_tokenizing_and_keep_the_same_tokens() {
         }
     }
     for s in &fx.sentences {
-        let prefix = snooze_backend_candle::truncate::tokenizer_prefix(&tok, s, 256);
+        let prefix = snooze_text::truncate::tokenizer_prefix(&tok, s, 256);
         assert_eq!(
             tok.encode(prefix, true).unwrap().get_ids(),
             tok.encode(s.as_str(), true).unwrap().get_ids()

@@ -1,0 +1,124 @@
+//! Texts (or the caller's token ids) to the token ids an encoder runs, and the
+//! micro-batches it runs them in.
+
+use snooze_core::{EmbedInput, InferError};
+use tokenizers::{Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy};
+
+use crate::{truncate::tokenizer_prefix, SentenceLayout};
+
+/// Padded tokens per forward pass, for short inputs.
+pub const TOKENS_PER_PASS: usize = 8192;
+
+/// Attention-score elements per forward pass (`sequences × heads × len²`), for long
+/// inputs: engines keep a few score-sized tensors alive per layer, and at 32 × 256
+/// tokens and 12 heads one of them is 100 MiB. 4 Mi elements (16 MiB per tensor)
+/// still runs 5 sequences of 256 tokens at once.
+pub const ATTENTION_PER_PASS: usize = 4 << 20;
+
+/// A model's tokenizer, set to truncate to the model's limit and never to pad:
+/// padding is done per micro-batch, to its longest sequence, with an attention mask.
+pub struct TextEncoder {
+    tokenizer: Tokenizer,
+    max_seq_len: usize,
+    vocab_size: usize,
+}
+
+impl TextEncoder {
+    pub fn load(layout: &SentenceLayout) -> Result<TextEncoder, String> {
+        let path = layout.tokenizer_path();
+        let failed = |e: &dyn std::fmt::Display| format!("cannot load {}: {e}", path.display());
+        let mut tokenizer = Tokenizer::from_file(&path).map_err(|e| failed(&e))?;
+        tokenizer.with_padding(None);
+        tokenizer
+            .with_truncation(Some(TruncationParams {
+                direction: TruncationDirection::Right,
+                max_length: layout.max_seq_len,
+                strategy: TruncationStrategy::LongestFirst,
+                stride: 0,
+            }))
+            .map_err(|e| failed(&e))?;
+        Ok(TextEncoder { tokenizer, max_seq_len: layout.max_seq_len, vocab_size: layout.encoder.vocab_size })
+    }
+
+    pub fn max_seq_len(&self) -> usize {
+        self.max_seq_len
+    }
+
+    /// Token ids of each input, truncated to `max_seq_len`; an empty sequence or an id
+    /// outside the vocabulary is the caller's error, named by its index.
+    pub fn token_ids(&self, input: &EmbedInput) -> Result<Vec<Vec<u32>>, InferError> {
+        let seqs: Vec<Vec<u32>> = match input {
+            // The tokenizer truncates (keeping its special tokens) and does not pad.
+            EmbedInput::Texts(texts) => {
+                let texts: Vec<&str> =
+                    texts.iter().map(|t| tokenizer_prefix(&self.tokenizer, t, self.max_seq_len)).collect();
+                let encodings = self
+                    .tokenizer
+                    .encode_batch(texts, true)
+                    .map_err(|e| InferError::InvalidInput(format!("cannot tokenize the input: {e}")))?;
+                encodings.into_iter().map(|e| e.get_ids().to_vec()).collect()
+            }
+            // Ids are the caller's own tokenization, special tokens included: used as given,
+            // cut to the first `max_seq_len`.
+            EmbedInput::TokenIds(ids) => {
+                for (i, seq) in ids.iter().enumerate() {
+                    if let Some(&bad) = seq.iter().find(|&&id| id as usize >= self.vocab_size) {
+                        return Err(InferError::InvalidInput(format!(
+                            "input {i} holds token id {bad}, outside the model's vocabulary of {} tokens",
+                            self.vocab_size
+                        )));
+                    }
+                }
+                ids.iter().map(|s| s[..s.len().min(self.max_seq_len)].to_vec()).collect()
+            }
+        };
+        if let Some(i) = seqs.iter().position(Vec::is_empty) {
+            return Err(InferError::InvalidInput(format!("input {i} has no tokens")));
+        }
+        Ok(seqs)
+    }
+}
+
+/// Splits sequences of `lengths` into forward passes of similar length, longest
+/// first: sorting keeps padding (wasted compute) small, and the caps bound a pass's
+/// activations however large the request. Each pass lists indices into `lengths`;
+/// its first sequence is its longest.
+pub fn passes(lengths: &[usize], heads: usize) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..lengths.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
+    let mut passes = Vec::new();
+    let mut start = 0;
+    while start < order.len() {
+        let longest = lengths[order[start]].max(1);
+        let by_tokens = TOKENS_PER_PASS / longest;
+        let by_attention = ATTENTION_PER_PASS / (heads.max(1) * longest * longest);
+        let count = by_tokens.min(by_attention).clamp(1, order.len() - start);
+        passes.push(order[start..start + count].to_vec());
+        start += count;
+    }
+    passes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passes_cover_every_sequence_once_longest_first() {
+        let lengths = [3, 256, 10, 256, 7, 256, 256, 256, 256, 1];
+        let p = passes(&lengths, 12);
+        let mut seen: Vec<usize> = p.iter().flatten().copied().collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..lengths.len()).collect::<Vec<_>>());
+        for pass in &p {
+            let first = lengths[pass[0]];
+            assert!(pass.iter().all(|&i| lengths[i] <= first));
+            // The attention cap: 12 heads × 256² × 5 sequences fits, 6 do not.
+            assert!(pass.len() * 12 * first * first <= ATTENTION_PER_PASS || pass.len() == 1);
+        }
+        assert_eq!(p[0].len(), 5);
+        // Short sequences share one pass.
+        assert_eq!(passes(&[4; 100], 12), vec![(0..100).collect::<Vec<_>>()]);
+        assert!(passes(&[], 12).is_empty());
+    }
+}
