@@ -10,6 +10,7 @@ use std::{
     collections::hash_map::DefaultHasher,
     hash::{Hash, Hasher},
     panic::{catch_unwind, AssertUnwindSafe},
+    sync::atomic::{AtomicU64, AtomicUsize, Ordering},
 };
 
 use tokio::sync::oneshot;
@@ -102,16 +103,97 @@ pub(crate) enum BatchEnd {
     Panicked(String),
 }
 
-/// Runs `jobs` as one batch on `model` and answers them.
+/// Work (runs, loads) in progress in the process, to tell whether the memory a run
+/// left behind is its own.
+///
+/// A pass can leave memory resident: ONNX Runtime's arena keeps the activations of
+/// the largest shape it ran, which for a model with dynamic dimensions (an OCR
+/// detector fed a larger image) is far more than its weights. What the process's RSS
+/// grew across a run is that run's only when nothing else started or was in
+/// progress meanwhile; then it is added to the model's learned footprint.
+pub(crate) struct WorkMeter {
+    started: AtomicU64,
+    active: AtomicUsize,
+}
+
+/// The process's meter.
+pub(crate) static WORK: WorkMeter = WorkMeter::new();
+
+impl WorkMeter {
+    pub(crate) const fn new() -> WorkMeter {
+        WorkMeter { started: AtomicU64::new(0), active: AtomicUsize::new(0) }
+    }
+
+    /// Starts a piece of work; it ends when the returned guard is dropped.
+    pub(crate) fn begin(&self) -> Work<'_> {
+        let ticket = self.started.fetch_add(1, Ordering::SeqCst) + 1;
+        let alone = self.active.fetch_add(1, Ordering::SeqCst) == 0;
+        Work { meter: self, ticket, alone, before: crate::memory::process_rss_bytes() }
+    }
+}
+
+pub(crate) struct Work<'a> {
+    meter: &'a WorkMeter,
+    ticket: u64,
+    alone: bool,
+    before: u64,
+}
+
+impl Work<'_> {
+    /// What RSS grew since `begin`, less `held` bytes the work still holds (its
+    /// outputs), if no other work was in progress or started meanwhile; `None` when
+    /// the growth cannot be attributed.
+    pub(crate) fn grew(&self, held: u64) -> Option<u64> {
+        let still_alone = self.meter.started.load(Ordering::SeqCst) == self.ticket
+            && self.meter.active.load(Ordering::SeqCst) == 1;
+        (self.alone && still_alone)
+            .then(|| crate::memory::process_rss_bytes().saturating_sub(self.before).saturating_sub(held))
+    }
+}
+
+impl Drop for Work<'_> {
+    fn drop(&mut self) {
+        self.meter.active.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Output {
+    /// Bytes of result data held.
+    pub fn byte_size(&self) -> usize {
+        match self {
+            Output::Tensors(t) => t.iter().map(|t| t.data.byte_size()).sum(),
+            Output::Embeddings { embeddings, .. } => embeddings.vectors.iter().map(|v| v.len() * 4).sum(),
+        }
+    }
+}
+
+/// Runs `jobs` as one batch on `model` and answers them. `work`: the run's meter
+/// guard; what the run left resident (see [`WorkMeter`]) is returned with the end,
+/// read before any answer leaves, so a caller serializing its answer does not count.
 pub(crate) fn run_batch(
     model: &dyn LoadedModel,
     name: &str,
     jobs: Vec<(RequestId, Job)>,
     max_rows: u32,
-) -> BatchEnd {
+    work: &Work<'_>,
+) -> (BatchEnd, Option<u64>) {
     let max_rows = max_rows.max(1) as usize;
     let payloads: Vec<&Payload> = jobs.iter().map(|(_, j)| &j.payload).collect();
     let result = catch_unwind(AssertUnwindSafe(|| run(model, &payloads, max_rows)));
+    let grew = match &result {
+        Ok(Ok(outputs)) => work.grew(outputs.iter().map(|o| o.byte_size() as u64).sum()),
+        _ => None,
+    };
+    (answer_batch(model, name, jobs, max_rows, result), grew)
+}
+
+fn answer_batch(
+    model: &dyn LoadedModel,
+    name: &str,
+    jobs: Vec<(RequestId, Job)>,
+    max_rows: usize,
+    result: std::thread::Result<Result<Vec<Output>, InferError>>,
+) -> BatchEnd {
     match result {
         Err(panic) => {
             let why = panic_text(panic);
@@ -380,6 +462,9 @@ mod tests {
     use super::*;
     use crate::tensor::{ModelSignature, TensorData};
 
+    /// The tests' own meter: the process's is shared with tests running in parallel.
+    static METER: WorkMeter = WorkMeter::new();
+
     /// y = 10x + row index within the run: shows how rows were grouped into runs.
     struct Counting {
         sig: ModelSignature,
@@ -440,7 +525,10 @@ mod tests {
         let (a, mut ra) = job(x(1, 0.0));
         let (b, mut rb) = job(x(3, 100.0));
         let (c, mut rc) = job(x(2, 200.0));
-        assert!(matches!(run_batch(&m, "m", vec![(1, a), (2, b), (3, c)], 8), BatchEnd::Done));
+        assert!(matches!(
+            run_batch(&m, "m", vec![(1, a), (2, b), (3, c)], 8, &METER.begin()).0,
+            BatchEnd::Done
+        ));
         assert_eq!(*m.runs.lock().unwrap(), [6], "one run of 1 + 3 + 2 rows");
         assert_eq!(y(&mut ra), [0.0, 10.0]);
         assert_eq!(y(&mut rb), (0..6).map(|i| (100.0 + i as f32) * 10.0).collect::<Vec<_>>());
@@ -451,7 +539,7 @@ mod tests {
     fn a_request_larger_than_max_rows_runs_in_micro_batches() {
         let m = model();
         let (a, mut ra) = job(x(10, 0.0));
-        assert!(matches!(run_batch(&m, "m", vec![(1, a)], 4), BatchEnd::Done));
+        assert!(matches!(run_batch(&m, "m", vec![(1, a)], 4, &METER.begin()).0, BatchEnd::Done));
         assert_eq!(*m.runs.lock().unwrap(), [4, 4, 2]);
         assert_eq!(y(&mut ra), (0..20).map(|i| i as f32 * 10.0).collect::<Vec<_>>());
     }
@@ -465,7 +553,7 @@ mod tests {
             inputs[0].data = TensorData::Fp32(vec![f32::NAN, 0.0]);
         }
         let (b, mut rb) = job(bad);
-        assert!(matches!(run_batch(&m, "m", vec![(1, a), (2, b)], 8), BatchEnd::Done));
+        assert!(matches!(run_batch(&m, "m", vec![(1, a), (2, b)], 8, &METER.begin()).0, BatchEnd::Done));
         assert_eq!(y(&mut ra), [0.0, 10.0]);
         assert_eq!(rb.try_recv().unwrap().unwrap_err().kind, ErrorKind::InvalidInput);
     }
@@ -487,5 +575,29 @@ mod tests {
             outputs: vec![],
         };
         assert_eq!(scalar.rows_and_key(true), (1, None));
+    }
+
+    #[test]
+    fn growth_is_attributed_only_to_work_that_ran_alone() {
+        let meter = WorkMeter::new();
+        let alone = meter.begin();
+        let mut held = vec![1u8; 32 << 20];
+        held.iter_mut().step_by(4096).for_each(|b| *b = 2);
+        let grew = alone.grew(0).expect("nothing else ran");
+        assert!(grew >= 16 << 20, "32 MiB touched, {grew} bytes seen");
+        assert_eq!(alone.grew(u64::MAX), Some(0), "bytes still held are not growth");
+        drop(alone);
+
+        // Overlapping work: neither can tell its growth from the other's.
+        let a = meter.begin();
+        let b = meter.begin();
+        assert_eq!((a.grew(0), b.grew(0)), (None, None));
+        drop(b);
+        assert_eq!(a.grew(0), None, "another piece of work started meanwhile");
+        drop(a);
+        // Work that starts after another ended alone is alone again.
+        let c = meter.begin();
+        assert!(c.grew(0).is_some());
+        drop(held);
     }
 }

@@ -91,18 +91,57 @@ pub struct GcReport {
 type UnitReply = oneshot::Sender<Result<(), SnoozeError>>;
 
 pub(crate) enum Command {
-    Submit { sub: Submit, job: Job },
-    Load { req: RequestId, model: ModelId, reply: UnitReply },
-    Unload { req: RequestId, model: ModelId, reply: UnitReply },
-    Collect { req: RequestId, except: Option<ModelId>, reply: oneshot::Sender<Vec<ModelId>> },
-    Status { reply: oneshot::Sender<Vec<ModelStatus>> },
-    Cancel { req: RequestId },
-    RunDone { model: ModelId, reqs: Vec<RequestId>, end: BatchEnd, took: Duration },
-    LoadDone { model: ModelId, result: Result<(Loaded, LoadMeasurement), LoadError>, took: Duration },
-    UnloadDone { model: ModelId },
-    PromoteDone { model: ModelId, result: Result<(Loaded, LoadMeasurement), LoadError> },
+    Submit {
+        sub: Submit,
+        job: Job,
+    },
+    Load {
+        req: RequestId,
+        model: ModelId,
+        reply: UnitReply,
+    },
+    Unload {
+        req: RequestId,
+        model: ModelId,
+        reply: UnitReply,
+    },
+    Collect {
+        req: RequestId,
+        except: Option<ModelId>,
+        reply: oneshot::Sender<Vec<ModelId>>,
+    },
+    Status {
+        reply: oneshot::Sender<Vec<ModelStatus>>,
+    },
+    Cancel {
+        req: RequestId,
+    },
+    /// `grew`: what the run left resident, when that could be measured (see `WorkMeter`).
+    RunDone {
+        model: ModelId,
+        reqs: Vec<RequestId>,
+        end: BatchEnd,
+        took: Duration,
+        grew: Option<u64>,
+    },
+    LoadDone {
+        model: ModelId,
+        result: Result<(Loaded, LoadMeasurement), LoadError>,
+        took: Duration,
+    },
+    UnloadDone {
+        model: ModelId,
+    },
+    PromoteDone {
+        model: ModelId,
+        result: Result<(Loaded, LoadMeasurement), LoadError>,
+    },
     Shutdown,
 }
+
+/// Growth a run must leave for its model's footprint to grow: below it, allocator
+/// noise (a response's buffers, a thread's stack) is not the model's working set.
+const PASS_GROWTH_FLOOR: u64 = 4 << 20;
 
 /// A resident instance and what its load added to RSS: an unload should give that back.
 pub(crate) struct Loaded {
@@ -593,7 +632,10 @@ impl Actor {
                 self.replies.remove(&req);
                 Event::Cancel { req }
             }
-            Command::RunDone { model, reqs, end, took } => {
+            Command::RunDone { model, reqs, end, took, grew } => {
+                if let Some(grew) = grew.filter(|g| *g >= PASS_GROWTH_FLOOR) {
+                    self.learn_pass(model, grew);
+                }
                 let outcome = match end {
                     BatchEnd::Done => RunOutcome::Done,
                     BatchEnd::Panicked(why) => RunOutcome::Panicked(why),
@@ -633,6 +675,36 @@ impl Actor {
             Command::Shutdown => Event::Shutdown,
         };
         self.scheduler.handle(now(), event)
+    }
+
+    /// A run left `grew` bytes resident: the model's working set is larger than its
+    /// load measured. Its footprint grows by that (now and in the store, for the next
+    /// load's admission), unless the config fixed its memory.
+    fn learn_pass(&mut self, model: ModelId, grew: u64) {
+        let Some(footprint) = self.scheduler.learn_pass(model, grew) else { return };
+        let name = self.scheduler.slot(model).policy.name.clone();
+        tracing::info!(
+            model = %name,
+            grew_bytes = grew,
+            bytes = footprint,
+            "a run left {} resident: footprint now {}",
+            format_bytes(grew),
+            format_bytes(footprint)
+        );
+        if let Some(store) = &self.store {
+            let slot = self.scheduler.slot(model);
+            let device = slot.device().map(|d| d.to_string()).unwrap_or_default();
+            store.record(
+                &name,
+                LearnedFootprint {
+                    fingerprint: self.fingerprints[model].clone(),
+                    device,
+                    steady_bytes: Some(footprint),
+                    peak_bytes: slot.measured_peak_bytes.map(|p| p.max(footprint)),
+                    measured_at: crate::learned::unix_now(),
+                },
+            );
+        }
     }
 
     /// Logs a load, keeps its instance and learns its footprint.
@@ -747,21 +819,29 @@ impl Actor {
         let tx = self.tx.clone();
         let Some(instance) = self.loaded.get(&model).map(|l| l.instance.clone()) else {
             tracing::error!(model, "dispatched to a model that is not loaded");
-            let _ = tx.send(Command::RunDone { model, reqs, end: BatchEnd::Done, took: Duration::ZERO });
+            let _ = tx.send(Command::RunDone {
+                model,
+                reqs,
+                end: BatchEnd::Done,
+                took: Duration::ZERO,
+                grew: None,
+            });
             return;
         };
         let name = self.scheduler.slot(model).policy.name.clone();
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
-            let end = if jobs.is_empty() {
-                BatchEnd::Done
+            let work = execution::WORK.begin();
+            let (end, grew) = if jobs.is_empty() {
+                (BatchEnd::Done, None)
             } else {
-                execution::run_batch(instance.as_ref(), &name, jobs, max_rows)
+                execution::run_batch(instance.as_ref(), &name, jobs, max_rows, &work)
             };
+            drop(work);
             // Our reference goes before the actor hears of the end, so an unload that
             // follows holds the last one and really frees the model.
             drop(instance);
-            let _ = tx.send(Command::RunDone { model, reqs, end, took: started.elapsed() });
+            let _ = tx.send(Command::RunDone { model, reqs, end, took: started.elapsed(), grew });
         });
     }
 
@@ -841,6 +921,8 @@ impl Actor {
         let probe = self.probe.clone();
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
+            // A run meanwhile must not take the load's memory for its own.
+            let _work = execution::WORK.begin();
             let panicked = || LoadError::Failed(format!("the backend panicked loading '{}'", spec.name));
             // One-time preparation (a format conversion) is not what the model costs to load.
             let prepared = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.prepare(&spec)))

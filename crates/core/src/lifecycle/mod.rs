@@ -266,6 +266,21 @@ impl Scheduler {
         self.slots[model].learned_peak_bytes = peak;
     }
 
+    /// A run of a resident model left `grew` bytes resident (measured by the manager
+    /// when nothing else ran): its footprint grows by that, unless the config fixes
+    /// its memory. Returns the new footprint.
+    pub fn learn_pass(&mut self, model: ModelId, grew: u64) -> Option<u64> {
+        let s = &mut self.slots[model];
+        if s.policy.memory.is_some() {
+            return None;
+        }
+        let SlotState::Ready { footprint, .. } = &mut s.state else { return None };
+        *footprint = footprint.saturating_add(grew);
+        s.measured_bytes = Some(*footprint);
+        s.learned_bytes = Some(*footprint);
+        Some(*footprint)
+    }
+
     /// Memory given back on purpose (an unload or gc asked for, an emergency) stays
     /// given back: no model evicted earlier is preloaded into it, until a load evicts
     /// again.

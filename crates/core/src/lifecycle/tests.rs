@@ -626,6 +626,42 @@ fn measured_footprint_replaces_the_estimate_in_accounting() {
 }
 
 #[test]
+fn a_pass_that_leaves_memory_resident_grows_the_footprint_and_the_next_admission() {
+    let mut h = Harness::new(1000, &[("a", 100)]);
+    assert_eq!(h.s.learn_pass(0, 50 * MB), None, "not resident: nothing to grow");
+    let (_, a) = h.submit("a");
+    let _ = a;
+    h.feed(Event::LoadFinished {
+        model: 0,
+        result: Ok(LoadMeasurement { steady: Some(30 * MB), peak: Some(40 * MB) }),
+        took: Duration::from_millis(5),
+    });
+    assert_eq!(h.s.accounted(&Device::Cpu), 30 * MB);
+    // A larger input's activations stay in the runtime's arena.
+    assert_eq!(h.s.learn_pass(0, 200 * MB), Some(230 * MB));
+    assert_eq!(h.s.accounted(&Device::Cpu), 230 * MB);
+    let st = &h.s.status(h.now)[0];
+    assert_eq!(st.footprint_measured_bytes, Some(230 * MB));
+    assert_eq!(
+        h.s.slot(0).admission_bytes(),
+        Some(230 * MB),
+        "the next load is admitted for its working set"
+    );
+
+    // A model whose memory the config fixes keeps that figure.
+    let mut h = Harness::with(1000, &[("b", 100)], |p| p.memory = Some(100 * MB));
+    let (_, b) = h.submit("b");
+    let _ = b;
+    h.feed(Event::LoadFinished {
+        model: 0,
+        result: Ok(LoadMeasurement { steady: Some(30 * MB), peak: None }),
+        took: Duration::from_millis(5),
+    });
+    assert_eq!(h.s.learn_pass(0, 200 * MB), None);
+    assert_eq!(h.s.accounted(&Device::Cpu), 100 * MB);
+}
+
+#[test]
 fn rule8_critical_pressure_makes_loads_evict_first_and_refuses_low_priority() {
     let mut h = Harness::new(1000, &[("a", 100), ("b", 100), ("c", 100)]);
     h.call("a").unwrap();
