@@ -53,6 +53,23 @@ pub(crate) fn add_conversion(e: &mut FootprintEstimate, path: &Path) {
     }
 }
 
+/// An embedding model also holds its tokenizer's tables (about 4x `tokenizer.json`)
+/// and one micro-batch pass's activations in the runtime's arena.
+pub(crate) fn add_embedding(e: &mut FootprintEstimate, path: &Path) {
+    let Ok(layout) = snooze_text::SentenceLayout::read(path) else { return };
+    let tokenizer = std::fs::metadata(layout.tokenizer_path()).map_or(0, |m| m.len()).saturating_mul(4);
+    let working = crate::embed::working_bytes(layout.encoder.hidden_size);
+    let extra = tokenizer.saturating_add(working);
+    e.steady_bytes = e.steady_bytes.map(|b| b.saturating_add(extra));
+    e.peak_bytes = e.peak_bytes.map(|b| b.saturating_add(extra));
+    e.derivation += &format!(
+        "; tokenizer {} and one pass of {} tokens {}",
+        mib(tokenizer),
+        snooze_text::TOKENS_PER_PASS,
+        mib(working)
+    );
+}
+
 pub(crate) fn estimate(path: &Path, weights: Weights) -> FootprintEstimate {
     let (steady_per_mille, peak_per_mille) = match weights {
         Weights::Compact | Weights::Mapped => (LEAN_STEADY_PER_MILLE, LEAN_PEAK_PER_MILLE),

@@ -19,10 +19,12 @@ use ort::{
     session::{builder::GraphOptimizationLevel, Session},
 };
 use snooze_core::{
-    Backend, Device, FootprintEstimate, LoadError, LoadSpec, LoadedModel, ModelSignature, Weights,
+    Backend, Device, FootprintEstimate, LoadError, LoadSpec, LoadedModel, ModelSignature, Task, Weights,
 };
+use snooze_text::{SentenceLayout, TextEncoder};
 
 mod convert;
+pub mod embed;
 pub mod errors;
 pub mod estimate;
 mod model;
@@ -248,13 +250,17 @@ fn warm_up_model() -> Vec<u8> {
     [varint(1, 8), ld(8, &opset), ld(7, &graph)].concat()
 }
 
-/// The `.onnx` file a model path designates: the file itself, or `model.onnx` /
-/// `1/model.onnx` (Triton's versioned layout) inside a folder.
+/// The `.onnx` file a model path designates: the file itself, the ONNX export of a
+/// sentence-embedding folder (`onnx/model.onnx`), or `model.onnx` / `1/model.onnx`
+/// (Triton's versioned layout) inside a folder.
 pub fn resolve_model_file(path: &Path) -> Result<PathBuf, String> {
     if path.is_file() {
         return Ok(path.to_path_buf());
     }
     if path.is_dir() {
+        if let Some(export) = snooze_text::onnx_export(path) {
+            return Ok(export);
+        }
         for candidate in [path.join("model.onnx"), path.join("1").join("model.onnx")] {
             if candidate.is_file() {
                 return Ok(candidate);
@@ -271,6 +277,24 @@ fn read_signature(file: &Path) -> Result<ModelSignature, LoadError> {
         .map_err(|e| LoadError::Failed(format!("{} is not a usable ONNX model: {e}", file.display())))
 }
 
+/// What a model folder is for: a sentence-embedding folder with an ONNX export is
+/// served as texts in, vectors out; anything else as tensors.
+fn task_of(path: &Path) -> Task {
+    if path.is_dir() && snooze_text::onnx_export(path).is_some() {
+        Task::Embedding
+    } else {
+        Task::Tensor
+    }
+}
+
+/// The sentence-embedding folder at `path` and how its export's graph fits it.
+fn embedding_layout(path: &Path, file: &Path) -> Result<(SentenceLayout, embed::EncoderGraph), LoadError> {
+    let layout = SentenceLayout::read(path).map_err(LoadError::Failed)?;
+    let graph = embed::encoder_graph(&read_signature(file)?, layout.encoder.hidden_size)
+        .map_err(|e| LoadError::Failed(format!("{} is not a text encoder export: {e}", file.display())))?;
+    Ok((layout, graph))
+}
+
 impl Backend for OrtBackend {
     fn name(&self) -> &'static str {
         "onnx"
@@ -278,6 +302,9 @@ impl Backend for OrtBackend {
 
     fn estimate(&self, path: &Path, weights: Weights) -> FootprintEstimate {
         let mut e = estimate::estimate(path, weights);
+        if task_of(path) == Task::Embedding {
+            estimate::add_embedding(&mut e, path);
+        }
         // Until the ORT-format copy exists, the first load converts, which holds more.
         let lean = matches!(weights, Weights::Compact | Weights::Mapped);
         let converted = resolve_model_file(path)
@@ -290,8 +317,17 @@ impl Backend for OrtBackend {
         e
     }
 
+    fn task(&self, path: &Path) -> Task {
+        task_of(path)
+    }
+
     fn signature(&self, path: &Path) -> Result<ModelSignature, LoadError> {
-        read_signature(&resolve_model_file(path).map_err(LoadError::Failed)?)
+        let file = resolve_model_file(path).map_err(LoadError::Failed)?;
+        if task_of(path) == Task::Embedding {
+            let (layout, _) = embedding_layout(path, &file)?;
+            return Ok(snooze_text::kserve::signature(embed::PLATFORM, layout.encoder.hidden_size));
+        }
+        read_signature(&file)
     }
 
     /// Converts the model to the ORT format once (cached) for `compact` and `mapped`:
@@ -324,10 +360,26 @@ impl Backend for OrtBackend {
             .map_err(|e| LoadError::Failed(format!("cannot load model '{}': {e}", spec.name)))?;
         // A corrupt file fails here with a sentence instead of a protobuf error code.
         let signature = read_signature(&file)?;
+        // An embedding folder's configuration and tokenizer are checked before any session exists.
+        let embedding = match task_of(&spec.path) {
+            Task::Embedding => {
+                let (layout, graph) = embedding_layout(&spec.path, &file)?;
+                let encoder = TextEncoder::load(&layout).map_err(LoadError::Failed)?;
+                Some((layout, graph, encoder))
+            }
+            Task::Tensor => None,
+        };
         let (sessions, bytes) = self.sessions(spec, &file)?;
         tracing::debug!(model = %spec.name, file = %file.display(), sessions = sessions.len(), weights = spec.weights.as_str(), "onnx sessions created");
         // SAFETY: `sessions` borrow only from `bytes` (see `sessions`).
-        Ok(Arc::new(unsafe { OrtModel::new(spec.name.clone(), signature, sessions, bytes) }))
+        let model = unsafe { OrtModel::new(spec.name.clone(), signature, sessions, bytes) };
+        Ok(match embedding {
+            Some((layout, graph, encoder)) => {
+                tracing::info!(pooling = ?layout.pooling, normalize = layout.normalize, max_seq_len = layout.max_seq_len, "sentence embeddings");
+                Arc::new(embed::OrtEmbedder::new(model, graph, &layout, encoder))
+            }
+            None => Arc::new(model),
+        })
     }
 }
 

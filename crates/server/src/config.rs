@@ -111,8 +111,9 @@ server_settings! {
     /// Where the server keeps its state (learned footprints, weight caches); relative to
     /// the config file.
     state_dir: PathBuf = ".snooze";
-    /// A model repository: each sub-folder with `model.onnx` or `1/model.onnx` is a model
-    /// named after the folder (a `[models.NAME]` entry of the same name wins).
+    /// A model repository: each sub-folder with `model.onnx` or `1/model.onnx`, or a
+    /// sentence-transformers folder (`modules.json`), is a model named after the folder
+    /// (a `[models.NAME]` entry of the same name wins).
     model_dir: Option<PathBuf> = "";
     /// On SIGTERM/SIGINT, how long requests in flight may finish before models are
     /// unloaded.
@@ -514,7 +515,7 @@ pub fn resolve(
             if models.iter().any(|m| m.name == name) {
                 continue; // an explicit [models.NAME] entry wins over discovery
             }
-            let raw = RawModel { backend: Some("onnx".into()), path: Some(path), ..RawModel::default() };
+            let raw = RawModel { path: Some(path), ..RawModel::default() };
             models.push(model_settings(&name, &raw, &server, base)?);
         }
     }
@@ -535,21 +536,22 @@ fn model_settings(
             "a model name may hold only letters, digits, '-', '_' and '.'",
         ));
     }
-    let backend = match raw.backend.as_deref().unwrap_or("onnx") {
-        "onnx" => Backend::Onnx,
-        "candle" => Backend::Candle,
-        other => {
+    let path = raw.path.as_ref().ok_or_else(|| err(&key("path"), "missing: where is the model?"))?;
+    let path = base.join(path);
+    if !path.exists() {
+        return Err(err(&key("path"), format!("{} does not exist", path.display())));
+    }
+    let backend = match raw.backend.as_deref() {
+        None => backend_for(&path),
+        Some("onnx") => Backend::Onnx,
+        Some("candle") => Backend::Candle,
+        Some(other) => {
             return Err(err(
                 &key("backend"),
                 format!("unknown backend '{other}' (expected \"onnx\" or \"candle\")"),
             ))
         }
     };
-    let path = raw.path.as_ref().ok_or_else(|| err(&key("path"), "missing: where is the model?"))?;
-    let path = base.join(path);
-    if !path.exists() {
-        return Err(err(&key("path"), format!("{} does not exist", path.display())));
-    }
     let memory = match &raw.memory {
         None => None,
         Some(v) => Some(parse_bytes(&v.to_string()).map_err(|e| err(&key("memory"), e))?),
@@ -614,7 +616,19 @@ fn model_settings(
     })
 }
 
-/// A model repository: every sub-folder holding `model.onnx` or `1/model.onnx`.
+/// The backend a model's files call for when the config names none: a
+/// sentence-embedding folder without an ONNX export (safetensors weights) is
+/// Candle's; everything else, ONNX exports included, is ONNX Runtime's.
+fn backend_for(path: &Path) -> Backend {
+    if path.is_dir() && snooze_text::is_sentence_model(path) && snooze_text::onnx_export(path).is_none() {
+        Backend::Candle
+    } else {
+        Backend::Onnx
+    }
+}
+
+/// A model repository: every sub-folder holding `model.onnx` or `1/model.onnx`, and
+/// every sentence-embedding folder (`modules.json`: safetensors or `onnx/model.onnx`).
 pub fn discover(dir: &Path) -> Result<Vec<(String, PathBuf)>, ConfigError> {
     let entries = std::fs::read_dir(dir).map_err(|e| {
         err(
@@ -626,7 +640,10 @@ pub fn discover(dir: &Path) -> Result<Vec<(String, PathBuf)>, ConfigError> {
     for entry in entries.flatten() {
         let path = entry.path();
         let Some(name) = path.file_name().and_then(|n| n.to_str()).map(str::to_string) else { continue };
-        if path.join("model.onnx").is_file() || path.join("1").join("model.onnx").is_file() {
+        if path.join("model.onnx").is_file()
+            || path.join("1").join("model.onnx").is_file()
+            || snooze_text::is_sentence_model(&path)
+        {
             found.push((name, path));
         }
     }
