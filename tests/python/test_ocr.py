@@ -1,0 +1,120 @@
+"""OCR end to end: rapidocr's PP-OCR models (linked by scripts/link_ocr_models.py) served
+by the real binary, driven by examples/ocr_client.py over KServe v2 with tritonclient.http
+(binary tensor data). A rendered sentence must come back exactly, and every tensor the
+server returns (det, cls, rec) must equal onnxruntime-in-Python's output for the same input
+(found bit-exact with the pinned onnxruntime; the assertion allows 1e-5).
+
+Covers dynamic shapes: det at several [1, 3, H, W], rec at several [1, 3, 48, W]."""
+
+import os
+import sys
+import unittest
+
+import numpy as np
+import tritonclient.http as httpclient
+
+from server import MODELS, ROOT, Server
+
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import ocr_client  # noqa: E402
+
+SENTENCE = "SnoozeML reads this line"
+# (text, font size): different page sizes for det, different line widths for rec.
+SAMPLES = [(SENTENCE, 32), ("KServe v2 over HTTP", 24), ("OCR test", 32)]
+
+CONFIG = f"""
+[models.ocr-det]
+path = "{MODELS}/ocr-det"
+[models.ocr-rec]
+path = "{MODELS}/ocr-rec"
+[models.ocr-cls]
+path = "{MODELS}/ocr-cls"
+"""
+
+
+class OcrTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        for name in ("ocr-det", "ocr-rec", "ocr-cls"):
+            if not os.path.isfile(os.path.join(MODELS, name, "model.onnx")):
+                raise RuntimeError(f"{MODELS}/{name}/model.onnx is missing: run `make prepare`")
+        cls.server = Server(CONFIG).__enter__()
+        cls.client = httpclient.InferenceServerClient(cls.server.addr)
+        cls.log = []  # (model, input, output) of every request the pipeline made
+        # staticmethod: plain functions stored on the class would bind `self`.
+        cls.infer = staticmethod(ocr_client.recording(ocr_client.triton_infer(cls.client, binary=True), cls.log))
+        cls.local = staticmethod(ocr_client.ort_infer(MODELS))
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.__exit__(None, None, None)
+
+    def read(self, image) -> str:
+        return ocr_client.ocr(self.infer, image)
+
+    def test_metadata_declares_dynamic_shapes(self):
+        shapes = {m: self.client.get_model_metadata(m)["inputs"][0]["shape"] for m in ("ocr-det", "ocr-cls", "ocr-rec")}
+        self.assertEqual(shapes, {"ocr-det": [-1, 3, -1, -1], "ocr-cls": [-1, 3, -1, -1], "ocr-rec": [-1, 3, 48, -1]})
+
+    def test_reads_rendered_text_and_matches_onnxruntime(self):
+        start = len(self.log)
+        for text, size in SAMPLES:
+            self.assertEqual(self.read(ocr_client.render(text, size=size)), text)
+        calls = self.log[start:]
+        det = {x.shape for m, x, _ in calls if m == "ocr-det"}
+        rec = {x.shape for m, x, _ in calls if m == "ocr-rec"}
+        self.assertGreaterEqual(len(det), 2, f"det shapes {det}")
+        self.assertGreaterEqual(len(rec), 2, f"rec shapes {rec}")
+        self.assertEqual({m for m, _, _ in calls}, {"ocr-det", "ocr-cls", "ocr-rec"})
+        for model, x, y in calls:
+            expected = self.local(model, x)
+            self.assertEqual(y.dtype, np.float32)
+            self.assertEqual(y.shape, expected.shape, f"{model} {x.shape}")
+            np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5, err_msg=f"{model} input {x.shape}")
+
+    def test_upside_down_line_is_turned_by_cls(self):
+        start = len(self.log)
+        self.assertEqual(self.read(ocr_client.render(SENTENCE).rotate(180)), SENTENCE)
+        (_, x, probs), = [c for c in self.log[start:] if c[0] == "ocr-cls"]
+        self.assertEqual(int(probs[0].argmax()), 1, "cls should say 180")
+        np.testing.assert_allclose(probs, self.local("ocr-cls", x), rtol=1e-5, atol=1e-5)
+
+    def test_ctc_decoding(self):
+        dec = ocr_client.CTCDecoder(["a", "b"])  # classes: blank, a, b, space
+        onehot = np.eye(4, dtype=np.float32)[[1, 1, 0, 1, 3, 2, 2, 0]][None]
+        self.assertEqual(dec(onehot)[0][0], "aa b")
+        chars = ocr_client.load_characters(MODELS)
+        rec_classes = self.client.get_model_metadata("ocr-rec")["outputs"][0]["shape"][-1]
+        self.assertEqual(len(chars) + 2, rec_classes)  # + blank + space
+
+
+class WorkingSetTest(unittest.TestCase):
+    """A detector pass on a large page leaves its activations in ONNX Runtime's arena,
+    far more than the model's 10 MB of weights: the server learns that working set from
+    the run (nothing else running), accounts for it, and keeps it for the next load."""
+
+    def test_a_large_pass_grows_the_learned_footprint(self):
+        import json
+
+        import requests
+
+        with Server(f'[models.ocr-det]\npath = "{MODELS}/ocr-det"\n') as s:
+            client = httpclient.InferenceServerClient(s.addr)
+            estimate = requests.get(s.base + "/admin/models").json()["models"][0]["footprint_estimated_bytes"]
+            x = np.zeros((1, 3, 736, 960), np.float32)
+            inp = httpclient.InferInput("x", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x, binary_data=True)
+            client.infer("ocr-det", [inp])
+            model = requests.get(s.base + "/admin/models").json()["models"][0]
+            measured = model["footprint_measured_bytes"]
+            # Helper measurements at this shape: +160 MiB of RSS for a 10 MB model.
+            self.assertGreater(measured, 64 << 20, f"working set not learned: {model}")
+            self.assertGreater(measured, 4 * estimate, model)
+            self.assertTrue(any("left" in l and "resident" in l for l in s.lines), "the growth is logged")
+            with open(os.path.join(s.tmp.name, "state", "footprints.json")) as f:
+                learned = json.load(f)
+            self.assertEqual(learned["footprints"]["ocr-det"]["steady_bytes"], measured, learned)
+
+
+if __name__ == "__main__":
+    unittest.main()
