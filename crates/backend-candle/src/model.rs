@@ -67,7 +67,7 @@ impl CandleModel {
     fn embed_ids(&self, seqs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>, InferError> {
         let lengths: Vec<usize> = seqs.iter().map(Vec::len).collect();
         let mut vectors = vec![Vec::new(); seqs.len()];
-        for pass in snooze_text::passes(&lengths, self.heads) {
+        for pass in snooze_text::passes(&lengths, self.heads, snooze_text::TOKENS_PER_PASS) {
             let batch: Vec<&[u32]> = pass.iter().map(|&i| seqs[i].as_slice()).collect();
             let out = self.forward(&batch).map_err(|e| InferError::Failed(format!("candle: {e}")))?;
             for (&i, v) in pass.iter().zip(out) {

@@ -21,13 +21,18 @@ pub const PLATFORM: &str = "onnxruntime_sentence_embedding";
 /// exports, sentence-transformers' own export).
 const TOKEN_OUTPUTS: [&str; 2] = ["last_hidden_state", "token_embeddings"];
 
-/// Activations one full micro-batch pass leaves in ONNX Runtime's arena, per unit of
-/// hidden size (measured on all-MiniLM-L6-v2, hidden 384, at `TOKENS_PER_PASS` tokens:
-/// see `working_bytes`).
+/// Padded tokens per forward pass. ONNX Runtime's arena keeps the largest pass's
+/// activations until the model unloads (Candle frees them, and runs 8192): measured on
+/// all-MiniLM-L6-v2, a pass of 8160 tokens left +205 MiB resident, one of 2048 tokens
+/// +62..77 MiB (fp32 and int8), for the same throughput (32 short sentences are about 500 tokens).
+pub(crate) const TOKENS_PER_PASS: usize = 2048;
+
+/// Activations the largest pass leaves in ONNX Runtime's arena, per unit of hidden
+/// size (see `working_bytes`; tests/embedding_memory.rs measures it).
 const WORKING_BYTES_PER_HIDDEN: u64 = 256 << 10;
 
 /// What one full micro-batch pass adds, for a model of `hidden` dimensions.
-pub(crate) fn working_bytes(hidden: usize) -> u64 {
+pub fn working_bytes(hidden: usize) -> u64 {
     WORKING_BYTES_PER_HIDDEN.saturating_mul(hidden as u64)
 }
 
@@ -179,7 +184,7 @@ impl Embedder for OrtEmbedder {
         let seqs = self.encoder.token_ids(input)?;
         let lengths: Vec<usize> = seqs.iter().map(Vec::len).collect();
         let mut vectors = vec![Vec::new(); seqs.len()];
-        for pass in snooze_text::passes(&lengths, self.heads) {
+        for pass in snooze_text::passes(&lengths, self.heads, TOKENS_PER_PASS) {
             let batch: Vec<&[u32]> = pass.iter().map(|&i| seqs[i].as_slice()).collect();
             for (&i, v) in pass.iter().zip(self.forward(&batch)?) {
                 vectors[i] = v;
@@ -204,8 +209,7 @@ impl LoadedModel for OrtEmbedder {
         Some(self)
     }
 
-    /// A full micro-batch pass (`TOKENS_PER_PASS` tokens) leaves its activations in
-    /// ONNX Runtime's arena: measured +60..90 MiB on all-MiniLM-L6-v2 (hidden 384).
+    /// The largest micro-batch pass leaves its activations in ONNX Runtime's arena.
     fn working_bytes(&self) -> u64 {
         working_bytes(self.dims)
     }

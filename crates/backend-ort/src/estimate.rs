@@ -65,7 +65,7 @@ pub(crate) fn add_embedding(e: &mut FootprintEstimate, path: &Path) {
     e.derivation += &format!(
         "; tokenizer {} and one pass of {} tokens {}",
         mib(tokenizer),
-        snooze_text::TOKENS_PER_PASS,
+        crate::embed::TOKENS_PER_PASS,
         mib(working)
     );
 }

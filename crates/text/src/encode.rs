@@ -6,7 +6,8 @@ use tokenizers::{Tokenizer, TruncationDirection, TruncationParams, TruncationStr
 
 use crate::{truncate::tokenizer_prefix, SentenceLayout};
 
-/// Padded tokens per forward pass, for short inputs.
+/// Padded tokens per forward pass, for short inputs, where the engine frees a pass's
+/// activations after it (Candle).
 pub const TOKENS_PER_PASS: usize = 8192;
 
 /// Attention-score elements per forward pass (`sequences × heads × len²`), for long
@@ -83,14 +84,14 @@ impl TextEncoder {
 /// first: sorting keeps padding (wasted compute) small, and the caps bound a pass's
 /// activations however large the request. Each pass lists indices into `lengths`;
 /// its first sequence is its longest.
-pub fn passes(lengths: &[usize], heads: usize) -> Vec<Vec<usize>> {
+pub fn passes(lengths: &[usize], heads: usize, tokens_per_pass: usize) -> Vec<Vec<usize>> {
     let mut order: Vec<usize> = (0..lengths.len()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
     let mut passes = Vec::new();
     let mut start = 0;
     while start < order.len() {
         let longest = lengths[order[start]].max(1);
-        let by_tokens = TOKENS_PER_PASS / longest;
+        let by_tokens = tokens_per_pass / longest;
         let by_attention = ATTENTION_PER_PASS / (heads.max(1) * longest * longest);
         let count = by_tokens.min(by_attention).clamp(1, order.len() - start);
         passes.push(order[start..start + count].to_vec());
@@ -106,7 +107,7 @@ mod tests {
     #[test]
     fn passes_cover_every_sequence_once_longest_first() {
         let lengths = [3, 256, 10, 256, 7, 256, 256, 256, 256, 1];
-        let p = passes(&lengths, 12);
+        let p = passes(&lengths, 12, TOKENS_PER_PASS);
         let mut seen: Vec<usize> = p.iter().flatten().copied().collect();
         seen.sort_unstable();
         assert_eq!(seen, (0..lengths.len()).collect::<Vec<_>>());
@@ -118,7 +119,9 @@ mod tests {
         }
         assert_eq!(p[0].len(), 5);
         // Short sequences share one pass.
-        assert_eq!(passes(&[4; 100], 12), vec![(0..100).collect::<Vec<_>>()]);
-        assert!(passes(&[], 12).is_empty());
+        assert_eq!(passes(&[4; 100], 12, TOKENS_PER_PASS), vec![(0..100).collect::<Vec<_>>()]);
+        assert!(passes(&[], 12, TOKENS_PER_PASS).is_empty());
+        // A smaller token cap makes more, smaller passes.
+        assert_eq!(passes(&[4; 100], 12, 40).len(), 10);
     }
 }
