@@ -11,25 +11,30 @@ STAMP   := $(VENV)/.stamp
 ORT_DYLIB_PATH = $(shell ls $(CURDIR)/$(VENV)/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime.so.1* 2>/dev/null | head -n1)
 export ORT_DYLIB_PATH
 
-.PHONY: run test prepare browser venv models build bench bench-zipf bench-swap bench-protocols soak bench-embeddings fmt lint clean
+.PHONY: run test prepare system-packages venv models build bench bench-zipf bench-swap bench-protocols soak bench-embeddings fmt lint clean
 
 run: prepare
 	cargo build --release --bin snooze
 	./target/release/snooze serve
 
-test: prepare browser
+test: prepare system-packages
 	cargo test --workspace
 	cd tests/python && ../../$(PY) -m unittest discover -v
 
 prepare: venv models
 
-# Headless Chromium for the dashboard's end-to-end test: Debian's package, installed when
-# missing and this runs as root with apt; otherwise the test says it skipped and why.
-browser:
-	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+# Debian packages the tests drive: headless Chromium (the dashboard's end-to-end test)
+# and nginx (three nodes behind a proxy, deploy/nginx/snooze.conf). Installed when
+# missing and this runs as root with apt; otherwise those tests say they skipped and why.
+system-packages:
+	@missing=""; \
+	command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing="chromium"; \
+	[ -x /usr/sbin/nginx ] || command -v nginx >/dev/null 2>&1 || missing="$$missing nginx"; \
+	if [ -n "$$missing" ]; then \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
-	  echo "chromium could not be installed: the dashboard test will be skipped"
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; } || \
+	  echo "could not install$$missing: the tests that need them will be skipped"; \
+	fi
 
 venv: $(STAMP)
 $(STAMP): scripts/requirements.txt

@@ -106,6 +106,23 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
         .layer(CatchPanicLayer::custom(error::panic_response))
         .layer(middleware::from_fn(error::json_errors))
+        .layer(middleware::from_fn(model_header))
+}
+
+/// Answers about one model (`/v2/models/{name}/...`) say which in `x-snooze-model`, as
+/// `/v1/embeddings` answers do: what a proxy routing by model name can log and check.
+async fn model_header(request: axum::extract::Request, next: middleware::Next) -> axum::response::Response {
+    let name = request
+        .uri()
+        .path()
+        .strip_prefix("/v2/models/")
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|name| axum::http::HeaderValue::from_str(name).ok());
+    let mut response = next.run(request).await;
+    if let Some(name) = name {
+        response.headers_mut().entry(openai::MODEL_HEADER).or_insert(name);
+    }
+    response
 }
 
 pub(crate) fn ok_json(value: serde_json::Value) -> axum::response::Response {

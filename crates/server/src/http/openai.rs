@@ -6,7 +6,7 @@ use std::{fmt, time::UNIX_EPOCH};
 use axum::{
     body::Body,
     extract::State,
-    http::HeaderMap,
+    http::{HeaderMap, HeaderValue},
     response::{IntoResponse, Response},
     routing::{get, post},
     Json, Router,
@@ -58,7 +58,9 @@ impl IntoResponse for OpenAiError {
 
 #[derive(Deserialize)]
 struct EmbeddingsRequest<'a> {
-    model: String,
+    /// Required here or in the `x-snooze-model` header (which a proxy can hash on).
+    #[serde(default)]
+    model: Option<String>,
     #[serde(borrow)]
     input: &'a RawValue,
     #[serde(default)]
@@ -273,18 +275,45 @@ impl<'de> Visitor<'de> for InputVisitor {
     }
 }
 
-async fn embeddings(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    body: Body,
-) -> Result<Response, OpenAiError> {
+/// The header that names a request's model, for a proxy to route by; every answer
+/// about a known model carries it too.
+pub const MODEL_HEADER: &str = "x-snooze-model";
+
+async fn embeddings(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     let started = std::time::Instant::now();
     let mut model = None;
     let result = embed_once(&state, headers, body, &mut model).await;
-    if let Some(m) = model {
-        super::metrics::observe(&m, "openai", started, result.as_ref().map(drop).map_err(|e| &e.0));
+    if let Some(m) = &model {
+        super::metrics::observe(m, "openai", started, result.as_ref().map(drop).map_err(|e| &e.0));
     }
-    result
+    let mut response = result.unwrap_or_else(IntoResponse::into_response);
+    if let Some(value) = model.and_then(|m| HeaderValue::from_str(&m).ok()) {
+        response.headers_mut().insert(MODEL_HEADER, value);
+    }
+    response
+}
+
+/// The model a request names: its body's `model`, else the `x-snooze-model` header;
+/// when both are given they must agree.
+fn requested_model(body: Option<String>, headers: &HeaderMap) -> Result<String, OpenAiError> {
+    let header = match headers.get(MODEL_HEADER) {
+        None => None,
+        Some(v) => Some(
+            v.to_str()
+                .map_err(|_| invalid("model", format!("the {MODEL_HEADER} header is not visible ASCII")))?
+                .to_owned(),
+        ),
+    };
+    match (body, header) {
+        (Some(b), Some(h)) if b != h => Err(invalid(
+            "model",
+            format!("the body names model '{b}' but the {MODEL_HEADER} header names '{h}'"),
+        )),
+        (Some(m), _) | (None, Some(m)) => Ok(m),
+        (None, None) => {
+            Err(invalid("model", format!("no model: set `model` in the body or the {MODEL_HEADER} header")))
+        }
+    }
 }
 
 /// One embeddings request; `model` is set once the request names a configured model.
@@ -310,10 +339,11 @@ async fn embed_once(
             ))
         }
     };
-    let info = state.manager.info(&req.model).map_err(|e| OpenAiError(e, Some("model")))?;
-    *model_seen = Some(req.model.clone());
+    let name = requested_model(req.model, &headers)?;
+    let info = state.manager.info(&name).map_err(|e| OpenAiError(e, Some("model")))?;
+    *model_seen = Some(name.clone());
     if info.task != Task::Embedding {
-        return Err(invalid("model", format!("model '{}' is not a text-embedding model", req.model)));
+        return Err(invalid("model", format!("model '{name}' is not a text-embedding model")));
     }
     let input = parse_input(req.input, state.settings.max_embedding_inputs, state.settings.max_input_chars)?;
     let dimensions = match req.dimensions {
@@ -329,7 +359,7 @@ async fn embed_once(
             return Err(invalid("dimensions", format!("dimensions {d} is more than the model's {w}")));
         }
     }
-    let model = req.model;
+    let model = name;
     drop(body);
     let priority = priority(&headers, None)?;
     let (mut result, normalized) = state.manager.embed(&model, priority, input).await?;
