@@ -46,6 +46,9 @@ $(STAMP): scripts/requirements.txt
 	# PP-OCRv6 det/rec and a cls model as ONNX, shipped in the wheel. --no-deps: only the
 	# model files are used (its runtime deps, opencv & co, are for in-process OCR).
 	$(PY) -m pip install --quiet --no-deps rapidocr==3.10.0
+	# KServe's API models for tests/python/test_deploy.py, read as source, never imported:
+	# --no-deps, its server dependencies (pandas, fastapi, the kubernetes client) are ~290 MB.
+	$(PY) -m pip install --quiet --no-deps kserve==0.21.0
 	touch $(STAMP)
 
 models: $(MODELS)/.stamp
