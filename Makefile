@@ -11,7 +11,7 @@ STAMP   := $(VENV)/.stamp
 ORT_DYLIB_PATH = $(shell ls $(CURDIR)/$(VENV)/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime.so.1* 2>/dev/null | head -n1)
 export ORT_DYLIB_PATH
 
-.PHONY: run test prepare system-packages venv models build bench bench-zipf bench-swap bench-protocols soak bench-embeddings fmt lint clean
+.PHONY: run test prepare system-packages venv models build bench bench-zipf bench-swap bench-protocols soak bench-embeddings bench-ocr fmt lint clean
 
 run: prepare
 	cargo build --release --bin snooze
@@ -91,6 +91,16 @@ $(BENCH_PY): bench/requirements-st.txt
 bench-embeddings: prepare $(BENCH_PY)
 	cargo build --release --bin snooze
 	$(BENCH_PY) bench/embeddings.py
+
+# The OCR pipeline through SnoozeML vs rapidocr in-process (rapidocr's own deps: bench/.venv).
+BENCH_OCR := bench/.venv/.ocr-stamp
+$(BENCH_OCR): bench/requirements-ocr.txt $(BENCH_PY)
+	bench/.venv/bin/pip install --quiet -r bench/requirements-ocr.txt
+	touch $@
+
+bench-ocr: prepare $(BENCH_OCR)
+	cargo build --release --bin snooze
+	$(BENCH_PY) bench/ocr.py
 
 fmt:
 	cargo fmt --all
