@@ -150,8 +150,11 @@ fn addr(s: &Server) -> &str {
     s.base.trim_start_matches("http://")
 }
 
+/// Per model, (loads, evictions) on one node.
+type Counts = BTreeMap<String, (u64, u64)>;
+
 /// Per model, (loads, evictions) on node `s`.
-fn per_model(s: &Server) -> BTreeMap<String, (u64, u64)> {
+fn per_model(s: &Server) -> Counts {
     let (_, v) = s.get("/admin/models");
     v["models"]
         .as_array()
@@ -244,7 +247,7 @@ fn placement(nodes: &[&str]) -> String {
 
 /// Warm-up, then a timed Zipf run through `proxy`: (served, loads in the timed part,
 /// per node and model (loads, evictions) after it); prints each node's share.
-fn timed_run(proxy: &Nginx, nodes: &[Server]) -> (usize, u64, Vec<BTreeMap<String, (u64, u64)>>) {
+fn timed_run(proxy: &Nginx, nodes: &[Server]) -> (usize, u64, Vec<Counts>) {
     drive(&proxy.base, 5, 1);
     let before: Vec<_> = nodes.iter().map(per_model).collect();
     let (goodput, stats) = drive(&proxy.base, 60, 100);
