@@ -241,6 +241,15 @@ def embed(base, model, texts):
     return np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in data])
 
 
+def contenders(ap, value, known):
+    """The comma-separated `--contenders` value as a list, each one of `known`."""
+    chosen = [c.strip() for c in value.split(",") if c.strip()]
+    bad = [c for c in chosen if c not in known]
+    if bad or not chosen:
+        ap.error(f"unknown contender(s) {bad}; choose from {known}")
+    return chosen
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -253,10 +262,7 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=7, help="timed rounds per contender and batch (default 7)")
     ap.add_argument("--round-seconds", type=float, default=1.0, help="length of one timed round (default 1.0)")
     args = ap.parse_args(argv)
-    args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
-    bad = [c for c in args.contenders if c not in CONTENDERS]
-    if bad or not args.contenders:
-        ap.error(f"unknown contender(s) {bad}; choose from {CONTENDERS}")
+    args.contenders = contenders(ap, args.contenders, CONTENDERS)
     args.batches = [int(b) for b in args.batches.split(",")]
     return args
 

@@ -33,7 +33,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-from embeddings import (MODELS, Background, interleaved, loadavg, machine_info, proc_cpu_seconds,  # noqa: E402
+from embeddings import (MODELS, Background, contenders, interleaved, loadavg, machine_info, proc_cpu_seconds,  # noqa: E402
                         start_server, stop_server)
 
 import ocr_client as oc  # noqa: E402
@@ -87,10 +87,7 @@ def parse_args(argv=None):
                     help="passes over the images in one round (default 1)")
     ap.add_argument("--size", type=int, default=32, help="font size of the rendered sentences (default 32)")
     args = ap.parse_args(argv)
-    args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
-    bad = [c for c in args.contenders if c not in CONTENDERS]
-    if bad or not args.contenders:
-        ap.error(f"unknown contender(s) {bad}; choose from {CONTENDERS}")
+    args.contenders = contenders(ap, args.contenders, CONTENDERS)
     return args
 
 

@@ -61,22 +61,6 @@ impl CandleModel {
         }
     }
 
-    /// Sentence vectors of `seqs`, in micro-batches of similar length (see
-    /// `snooze_text::passes`: Candle's BERT keeps about five score-sized tensors alive
-    /// per layer, which the attention cap bounds near 100 MiB).
-    fn embed_ids(&self, seqs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>, InferError> {
-        let lengths: Vec<usize> = seqs.iter().map(Vec::len).collect();
-        let mut vectors = vec![Vec::new(); seqs.len()];
-        for pass in snooze_text::passes(&lengths, self.heads, snooze_text::TOKENS_PER_PASS) {
-            let batch: Vec<&[u32]> = pass.iter().map(|&i| seqs[i].as_slice()).collect();
-            let out = self.forward(&batch).map_err(|e| InferError::Failed(format!("candle: {e}")))?;
-            for (&i, v) in pass.iter().zip(out) {
-                vectors[i] = v;
-            }
-        }
-        Ok(vectors)
-    }
-
     /// One forward pass over sequences padded to the longest.
     fn forward(&self, batch: &[&[u32]]) -> candle_core::Result<Vec<Vec<f32>>> {
         let len = batch.iter().map(|s| s.len()).max().unwrap_or(0);
@@ -141,11 +125,12 @@ impl Embedder for CandleModel {
         self.normalize
     }
 
+    /// Passes of up to `TOKENS_PER_PASS` tokens: Candle's BERT keeps about five
+    /// score-sized tensors alive per layer, which the attention cap bounds near 100 MiB.
     fn embed(&self, input: &EmbedInput) -> Result<Embeddings, InferError> {
-        let seqs = self.encoder.token_ids(input)?;
-        let tokens = seqs.iter().map(Vec::len).collect();
-        let vectors = self.embed_ids(&seqs)?;
-        Ok(Embeddings::new(vectors, tokens))
+        self.encoder.embed(input, self.heads, snooze_text::TOKENS_PER_PASS, |batch| {
+            self.forward(batch).map_err(|e| InferError::Failed(format!("candle: {e}")))
+        })
     }
 }
 
@@ -155,9 +140,7 @@ impl LoadedModel for CandleModel {
     }
 
     fn infer(&self, inputs: &[Tensor], outputs: &[String]) -> Result<Vec<Tensor>, InferError> {
-        let texts = kserve::texts(inputs, outputs)?;
-        let embeddings = self.embed(&EmbedInput::Texts(texts))?;
-        Ok(vec![kserve::output(embeddings.vectors, self.dims)])
+        kserve::infer(self, inputs, outputs)
     }
 
     /// Measured on all-MiniLM-L6-v2 with a full micro-batch: a pass adds 95 MiB with

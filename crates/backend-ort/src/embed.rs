@@ -181,16 +181,7 @@ impl Embedder for OrtEmbedder {
     }
 
     fn embed(&self, input: &EmbedInput) -> Result<Embeddings, InferError> {
-        let seqs = self.encoder.token_ids(input)?;
-        let lengths: Vec<usize> = seqs.iter().map(Vec::len).collect();
-        let mut vectors = vec![Vec::new(); seqs.len()];
-        for pass in snooze_text::passes(&lengths, self.heads, TOKENS_PER_PASS) {
-            let batch: Vec<&[u32]> = pass.iter().map(|&i| seqs[i].as_slice()).collect();
-            for (&i, v) in pass.iter().zip(self.forward(&batch)?) {
-                vectors[i] = v;
-            }
-        }
-        Ok(Embeddings::new(vectors, lengths))
+        self.encoder.embed(input, self.heads, TOKENS_PER_PASS, |batch| self.forward(batch))
     }
 }
 
@@ -200,9 +191,7 @@ impl LoadedModel for OrtEmbedder {
     }
 
     fn infer(&self, inputs: &[Tensor], outputs: &[String]) -> Result<Vec<Tensor>, InferError> {
-        let texts = kserve::texts(inputs, outputs)?;
-        let embeddings = self.embed(&EmbedInput::Texts(texts))?;
-        Ok(vec![kserve::output(embeddings.vectors, self.dims)])
+        kserve::infer(self, inputs, outputs)
     }
 
     fn as_embedder(&self) -> Option<&dyn Embedder> {

@@ -128,15 +128,17 @@ impl WorkMeter {
     pub(crate) fn begin(&self) -> Work<'_> {
         let ticket = self.started.fetch_add(1, Ordering::SeqCst) + 1;
         let alone = self.active.fetch_add(1, Ordering::SeqCst) == 0;
-        Work { meter: self, ticket, alone, before: crate::memory::process_rss_bytes() }
+        // Work that did not start alone can never be measured: no RSS reading for it.
+        let before = alone.then(crate::memory::process_rss_bytes);
+        Work { meter: self, ticket, before }
     }
 }
 
 pub(crate) struct Work<'a> {
     meter: &'a WorkMeter,
     ticket: u64,
-    alone: bool,
-    before: u64,
+    /// RSS at the start, read only when the work started alone.
+    before: Option<u64>,
 }
 
 impl Work<'_> {
@@ -146,8 +148,8 @@ impl Work<'_> {
     pub(crate) fn grew(&self, held: u64) -> Option<u64> {
         let still_alone = self.meter.started.load(Ordering::SeqCst) == self.ticket
             && self.meter.active.load(Ordering::SeqCst) == 1;
-        (self.alone && still_alone)
-            .then(|| crate::memory::process_rss_bytes().saturating_sub(self.before).saturating_sub(held))
+        let before = self.before.filter(|_| still_alone)?;
+        Some(crate::memory::process_rss_bytes().saturating_sub(before).saturating_sub(held))
     }
 }
 

@@ -691,20 +691,24 @@ impl Actor {
             format_bytes(grew),
             format_bytes(footprint)
         );
-        if let Some(store) = &self.store {
-            let slot = self.scheduler.slot(model);
-            let device = slot.device().map(|d| d.to_string()).unwrap_or_default();
-            store.record(
-                &name,
-                LearnedFootprint {
-                    fingerprint: self.fingerprints[model].clone(),
-                    device,
-                    steady_bytes: Some(footprint),
-                    peak_bytes: slot.measured_peak_bytes.map(|p| p.max(footprint)),
-                    measured_at: crate::learned::unix_now(),
-                },
-            );
-        }
+        let peak = self.scheduler.slot(model).measured_peak_bytes.map(|p| p.max(footprint));
+        self.remember(model, &name, footprint, peak);
+    }
+
+    /// Keeps a measured footprint in the store, for the next load's admission.
+    fn remember(&self, model: ModelId, name: &str, steady: u64, peak: Option<u64>) {
+        let Some(store) = &self.store else { return };
+        let device = self.scheduler.slot(model).device().map(|d| d.to_string()).unwrap_or_default();
+        store.record(
+            name,
+            LearnedFootprint {
+                fingerprint: self.fingerprints[model].clone(),
+                device,
+                steady_bytes: Some(steady),
+                peak_bytes: peak,
+                measured_at: crate::learned::unix_now(),
+            },
+        );
     }
 
     /// Logs a load, keeps its instance and learns its footprint.
@@ -740,19 +744,8 @@ impl Actor {
                     measured.steady.map_or("footprint not measured".into(), format_bytes)
                 );
                 self.loaded.insert(model, instance);
-                if let (Some(store), Some(_)) = (&self.store, measured.steady) {
-                    let device =
-                        self.scheduler.slot(model).device().map(|d| d.to_string()).unwrap_or_default();
-                    store.record(
-                        &name,
-                        LearnedFootprint {
-                            fingerprint: self.fingerprints[model].clone(),
-                            device,
-                            steady_bytes: measured.steady,
-                            peak_bytes: measured.peak,
-                            measured_at: crate::learned::unix_now(),
-                        },
-                    );
+                if let Some(steady) = measured.steady {
+                    self.remember(model, &name, steady, measured.peak);
                 }
                 Ok(measured)
             }

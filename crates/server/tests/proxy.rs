@@ -201,48 +201,14 @@ fn drive(base: &str, per_client: usize, seed: u64) -> (f64, Stats) {
     (stats.served() as f64 / started.elapsed().as_secs_f64(), stats)
 }
 
-/// CRC-32 (IEEE), as nginx's `ngx_crc32_*`.
-fn crc32(bytes: &[u8]) -> u32 {
-    let mut c = !0u32;
-    for &b in bytes {
-        c ^= u32::from(b);
-        for _ in 0..8 {
-            c = if c & 1 != 0 { (c >> 1) ^ 0xEDB8_8320 } else { c >> 1 };
-        }
-    }
-    !c
+/// "n0 [models], n1 [...]" of a ring.
+fn placement(ring: &[Vec<String>]) -> String {
+    ring.iter().enumerate().map(|(n, mine)| format!("n{n} {mine:?}")).collect::<Vec<_>>().join(", ")
 }
 
-/// Which of `nodes` (as written in the `server` lines) nginx's `hash $key consistent`
-/// picks first for `key`: 160 points per node, point j = crc32(host "\0" port prev),
-/// the key's crc32 goes to the first point at or above it (ngx_http_upstream_hash_module).
-fn ring_owner(nodes: &[&str], key: &str) -> usize {
-    let mut points: Vec<(u32, usize)> = Vec::new();
-    for (n, server) in nodes.iter().enumerate() {
-        let (host, port) = server.rsplit_once(':').unwrap();
-        let mut prev = 0u32;
-        for _ in 0..160 {
-            let input = [host.as_bytes(), b"\0", port.as_bytes(), &prev.to_le_bytes()].concat();
-            prev = crc32(&input);
-            points.push((prev, n));
-        }
-    }
-    points.sort_by_key(|p| p.0);
-    points.dedup_by_key(|p| p.0);
-    let h = crc32(key.as_bytes());
-    points.iter().find(|p| p.0 >= h).unwrap_or(&points[0]).1
-}
-
-/// "node: models" of the ring over m1..m6.
-fn placement(nodes: &[&str]) -> String {
-    (0..nodes.len())
-        .map(|n| {
-            let mine: Vec<String> =
-                (1..=MODELS).map(|i| format!("m{i}")).filter(|m| ring_owner(nodes, m) == n).collect();
-            format!("n{n} {mine:?}")
-        })
-        .collect::<Vec<_>>()
-        .join(", ")
+/// The node of `ring` that holds `model`.
+fn owner(ring: &[Vec<String>], model: &str) -> usize {
+    ring.iter().position(|mine| mine.iter().any(|m| m == model)).unwrap()
 }
 
 /// Warm-up, then a timed Zipf run through `proxy`: (served, loads in the timed part,
@@ -264,22 +230,16 @@ fn timed_run(proxy: &Nginx, nodes: &[Server]) -> (usize, u64, Vec<Counts>) {
     (stats.served(), all_loads, after)
 }
 
-/// deploy/capacity.py's miss estimate for `nodes`: the six models' learned footprints
-/// (from `node`'s state), a budget of two of them (`max_loaded_models = 2`), Zipf(1.1) rates.
-fn capacity_estimate(nodes: &[&str], node: &Server) -> f64 {
-    let (_, v) = node.get("/admin/models");
-    let footprint = v["models"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|m| m["footprint_measured_bytes"].as_u64())
-        .max()
-        .unwrap();
+/// deploy/capacity.py on `nodes` for m1..m6 of `footprint` bytes each, Zipf(1.1) rates
+/// and a budget of two of them (`max_loaded_models = 2`): its miss estimate, and the
+/// models nginx's consistent-hash ring gives each node. The script computes nginx's
+/// ketama ring (160 CRC-32 points per node); the routing check holds it to what nginx did.
+fn capacity(nodes: &[&str], footprint: u64) -> (f64, Vec<Vec<String>>) {
     let zipf = Zipf::new(MODELS, 1.1);
     let models: Vec<_> = (1..=MODELS)
         .map(|i| json!({"name": format!("m{i}"), "rate": zipf.probability(i - 1), "footprint_bytes": footprint}))
         .collect();
-    let mix = node.dir.join("mix.json");
+    let mix = std::env::temp_dir().join(format!("snooze-proxy-mix-{}.json", std::process::id()));
     std::fs::write(&mix, json!({ "models": models }).to_string()).unwrap();
     let out = Command::new("python3")
         .arg(repo_root().join("deploy/capacity.py"))
@@ -289,9 +249,33 @@ fn capacity_estimate(nodes: &[&str], node: &Server) -> f64 {
         .args(["--addresses", &nodes.join(","), "--json"])
         .output()
         .unwrap();
+    let _ = std::fs::remove_file(&mix);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    v["miss_percent"].as_f64().unwrap() / 100.0
+    let ring = v["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["models"].as_array().unwrap().iter().map(|m| m.as_str().unwrap().to_string()).collect())
+        .collect();
+    (v["miss_percent"].as_f64().unwrap() / 100.0, ring)
+}
+
+/// The ring of `nodes` (the footprint plays no part in it).
+fn ring(nodes: &[&str]) -> Vec<Vec<String>> {
+    capacity(nodes, 1 << 20).1
+}
+
+/// The largest footprint `node` measured (the six models are the same size).
+fn measured_footprint(node: &Server) -> u64 {
+    let (_, v) = node.get("/admin/models");
+    v["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["footprint_measured_bytes"].as_u64())
+        .max()
+        .unwrap()
 }
 
 fn assert_no_failures(what: &str, stats: &Stats) {
@@ -328,19 +312,17 @@ fn three_two_model_nodes_behind_nginx() {
         let three: Vec<&str> = nodes.iter().map(addr).collect();
         let proxy = Nginx::start(&nginx, "three", &three);
         let (served, loads, after) = timed_run(&proxy, &nodes);
-        assert_eq!(crc32(b"123456789"), 0xCBF4_3926, "the CRC-32 check value");
+        let (predicted, placed) = capacity(&three, measured_footprint(&nodes[0]));
         for i in 1..=MODELS {
             let m = format!("m{i}");
             let homes: Vec<usize> = (0..3).filter(|&n| after[n][&m].0 > 0).collect();
             // One node, and the one nginx's consistent-hash ring names.
-            assert_eq!(homes, vec![ring_owner(&three, &m)], "{m} was loaded on nodes {homes:?}: {after:?}");
+            assert_eq!(homes, vec![owner(&placed, &m)], "{m} was loaded on nodes {homes:?}: {after:?}");
         }
-        // The capacity model's estimate for this very ring, from a node's learned footprints.
-        let predicted = capacity_estimate(&three, &nodes[0]);
         let measured = loads as f64 / served as f64;
         println!(
             "ring as the ports fell: {}; misses {loads} of {served} = {:.1}%, deploy/capacity.py estimates {:.1}%",
-            placement(&three),
+            placement(&placed),
             100.0 * measured,
             100.0 * predicted
         );
@@ -357,9 +339,7 @@ fn three_two_model_nodes_behind_nginx() {
     // port until the ring spreads them so): beside one node that holds all six.
     for _ in 0..60 {
         let three: Vec<&str> = nodes.iter().map(addr).collect();
-        let mut counts = [0usize; 3];
-        (1..=MODELS).for_each(|i| counts[ring_owner(&three, &format!("m{i}"))] += 1);
-        let Some(crowded) = (0..3).find(|&n| counts[n] > 2) else { break };
+        let Some(crowded) = ring(&three).iter().position(|mine| mine.len() > 2) else { break };
         nodes[crowded] = start_node(crowded);
     }
     let three: Vec<&str> = nodes.iter().map(addr).collect();
@@ -369,7 +349,7 @@ fn three_two_model_nodes_behind_nginx() {
     assert_no_failures("through nginx, two models per node", &stats);
     println!(
         "two models per node ({}), through nginx: {goodput:.1} req/s, p99 {:?}",
-        placement(&three),
+        placement(&ring(&three)),
         stats.percentile(99.0)
     );
     drop(proxy);
@@ -391,7 +371,7 @@ fn three_two_model_nodes_behind_nginx() {
     let refusing_state = state_for(&warm_state, "refusing");
     let owns_one = |s: &Server| {
         let four: Vec<&str> = nodes.iter().map(addr).chain([addr(s)]).collect();
-        (1..=MODELS).any(|i| ring_owner(&four, &format!("m{i}")) == 3)
+        !ring(&four)[3].is_empty()
     };
     let mut refusing = node("proxy-refusing", &refusing_config, &refusing_state);
     for _ in 0..30 {

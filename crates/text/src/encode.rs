@@ -1,7 +1,7 @@
 //! Texts (or the caller's token ids) to the token ids an encoder runs, and the
 //! micro-batches it runs them in.
 
-use snooze_core::{EmbedInput, InferError};
+use snooze_core::{EmbedInput, Embeddings, InferError};
 use tokenizers::{Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy};
 
 use crate::{truncate::tokenizer_prefix, SentenceLayout};
@@ -77,6 +77,30 @@ impl TextEncoder {
             return Err(InferError::InvalidInput(format!("input {i} has no tokens")));
         }
         Ok(seqs)
+    }
+}
+
+impl TextEncoder {
+    /// Embeds `input`: its token ids run through `forward` in passes of similar length
+    /// (see [`passes`]), one vector per sequence, back in input order with the tokens
+    /// each consumed. `forward` gets the sequences of one pass, longest first.
+    pub fn embed(
+        &self,
+        input: &EmbedInput,
+        heads: usize,
+        tokens_per_pass: usize,
+        mut forward: impl FnMut(&[&[u32]]) -> Result<Vec<Vec<f32>>, InferError>,
+    ) -> Result<Embeddings, InferError> {
+        let seqs = self.token_ids(input)?;
+        let lengths: Vec<usize> = seqs.iter().map(Vec::len).collect();
+        let mut vectors = vec![Vec::new(); seqs.len()];
+        for pass in passes(&lengths, heads, tokens_per_pass) {
+            let batch: Vec<&[u32]> = pass.iter().map(|&i| seqs[i].as_slice()).collect();
+            for (&i, v) in pass.iter().zip(forward(&batch)?) {
+                vectors[i] = v;
+            }
+        }
+        Ok(Embeddings::new(vectors, lengths))
     }
 }
 

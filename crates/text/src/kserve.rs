@@ -1,6 +1,8 @@
 //! An embedding model on KServe v2: one BYTES input of texts, one FP32 output of vectors.
 
-use snooze_core::{DataType, InferError, ModelSignature, Tensor, TensorData, TensorSpec};
+use snooze_core::{
+    DataType, EmbedInput, Embedder, InferError, ModelSignature, Tensor, TensorData, TensorSpec,
+};
 
 /// The output tensor's name, for KServe and for the signature.
 pub const OUTPUT_NAME: &str = "embedding";
@@ -17,6 +19,12 @@ pub fn signature(platform: &str, hidden_size: usize) -> ModelSignature {
             shape: vec![-1, hidden],
         }],
     }
+}
+
+/// A KServe request to an embedding model: its texts in, their vectors out.
+pub fn infer(model: &dyn Embedder, inputs: &[Tensor], outputs: &[String]) -> Result<Vec<Tensor>, InferError> {
+    let embeddings = model.embed(&EmbedInput::Texts(texts(inputs, outputs)?))?;
+    Ok(vec![output(embeddings.vectors, model.dimensions())])
 }
 
 /// The texts of a KServe request: its one BYTES input (named `text` when there are several).
