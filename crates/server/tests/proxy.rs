@@ -266,16 +266,22 @@ fn ring(nodes: &[&str]) -> Vec<Vec<String>> {
     capacity(nodes, 1 << 20).1
 }
 
-/// The largest footprint `node` measured (the six models are the same size).
-fn measured_footprint(node: &Server) -> u64 {
-    let (_, v) = node.get("/admin/models");
-    v["models"]
-        .as_array()
-        .unwrap()
+/// The largest footprint any of `nodes` measured (the six models are the same size; a
+/// node the ring gave no model measured none).
+fn measured_footprint(nodes: &[Server]) -> u64 {
+    nodes
         .iter()
-        .filter_map(|m| m["footprint_measured_bytes"].as_u64())
+        .flat_map(|node| {
+            let (_, v) = node.get("/admin/models");
+            v["models"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|m| m["footprint_measured_bytes"].as_u64())
+                .collect::<Vec<_>>()
+        })
         .max()
-        .unwrap()
+        .expect("a node measured a footprint")
 }
 
 fn assert_no_failures(what: &str, stats: &Stats) {
@@ -312,7 +318,7 @@ fn three_two_model_nodes_behind_nginx() {
         let three: Vec<&str> = nodes.iter().map(addr).collect();
         let proxy = Nginx::start(&nginx, "three", &three);
         let (served, loads, after) = timed_run(&proxy, &nodes);
-        let (predicted, placed) = capacity(&three, measured_footprint(&nodes[0]));
+        let (predicted, placed) = capacity(&three, measured_footprint(&nodes));
         for i in 1..=MODELS {
             let m = format!("m{i}");
             let homes: Vec<usize> = (0..3).filter(|&n| after[n][&m].0 > 0).collect();
