@@ -30,27 +30,21 @@ pub const PEAK_PER_MILLE: u64 = 1_550;
 /// Per-session fixed cost and heap scatter (small models measured up to 14 MiB above their weights).
 pub const FLOOR_BYTES: u64 = 20 << 20;
 /// `compact` / `mapped`: one copy (private or mapped) of the ORT-format file, about the
-/// size of the weights; the first load also converts the model, without prepacking.
+/// size of the weights.
 pub const LEAN_STEADY_PER_MILLE: u64 = 1_020;
 pub const LEAN_PEAK_PER_MILLE: u64 = 1_100;
 
 /// The one-time conversion to the ORT format (a session without prepacking that
-/// serialises the model again), per byte of model files: measured 2.6x (+259 MiB) for
-/// the 100 MiB MLP, 1.5x for the 400 MiB one with external data.
+/// serialises the model again) or to a prepacked copy, per byte of model files:
+/// measured 2.6x (+259 MiB) for the 100 MiB MLP, 1.5x for the 400 MiB one with
+/// external data.
 pub const CONVERSION_PEAK_PER_MILLE: u64 = 2_700;
 
-/// Raises the load peak to what the first load — which converts — holds.
-pub(crate) fn add_conversion(e: &mut FootprintEstimate, path: &Path) {
-    if let Ok((_, model, external)) = file_bytes(path) {
-        let peak =
-            scale(model.saturating_add(external), CONVERSION_PEAK_PER_MILLE).saturating_add(FLOOR_BYTES);
-        e.peak_bytes = e.peak_bytes.map(|p| p.max(peak));
-        e.derivation += &format!(
-            "; not yet converted to the ORT format: the first load converts, peak {}x + {}",
-            ratio(CONVERSION_PEAK_PER_MILLE),
-            mib(FLOOR_BYTES)
-        );
-    }
+/// The peak of the one-time conversion of the model at `path` (ORT format or prepacked
+/// copy), from its files.
+pub(crate) fn conversion_peak(path: &Path) -> Option<u64> {
+    let (_, model, external) = file_bytes(path).ok()?;
+    Some(scale(model.saturating_add(external), CONVERSION_PEAK_PER_MILLE).saturating_add(FLOOR_BYTES))
 }
 
 /// An embedding model also holds its tokenizer's tables (about 4x `tokenizer.json`)

@@ -104,6 +104,11 @@ impl OrtBackend {
         self
     }
 
+    /// The ORT-format copy of `file`, if it was made.
+    fn cached_ort_format(&self, file: &Path) -> Option<PathBuf> {
+        weights::cached_ort_file(file, self.cache_dir.as_deref()?, &self.library)
+    }
+
     /// The ORT-format copy of `file`, converted now if needed.
     fn ort_format(&self, name: &str, file: &Path, weights: Weights) -> Result<PathBuf, LoadError> {
         let dir = self.cache_dir.as_deref().ok_or_else(|| {
@@ -150,7 +155,18 @@ impl OrtBackend {
                 Ok((sessions, None))
             }
             Weights::Compact | Weights::Mapped => {
-                let ort_file = self.ort_format(&spec.name, file, spec.weights)?;
+                // Not converted yet (a background preparation will): the .onnx as ONNX
+                // Runtime loads it by default, which needs nothing first.
+                let Some(ort_file) = self.cached_ort_format(file) else {
+                    tracing::debug!(model = %spec.name, weights = spec.weights.as_str(), "not converted yet: loading the .onnx");
+                    let session = |_| {
+                        builder(true)?
+                            .commit_from_file(file)
+                            .map(Runner::Own)
+                            .map_err(|e| failed(e.message()))
+                    };
+                    return Ok(((0..n).map(session).collect::<Result<_, _>>()?, None));
+                };
                 let bytes = if spec.weights == Weights::Mapped {
                     ModelBytes::map(&ort_file)
                 } else {
@@ -162,12 +178,19 @@ impl OrtBackend {
                 // made from it is dropped.
                 let slice: &'static [u8] =
                     unsafe { std::mem::transmute::<&[u8], &'static [u8]>(bytes.as_slice()) };
+                // The zero-copy keys are set once on a builder used for one session:
+                // `commit_from_memory_directly` resets them after its commit, which ONNX
+                // Runtime reports as two warnings on every load.
                 let sessions = (0..n)
                     .map(|_| {
-                        builder(false)?
-                            .commit_from_memory_directly(slice)
-                            .map(Runner::InPlace)
-                            .map_err(|e| failed(e.message()))
+                        let mut b = builder(false)?;
+                        for key in [
+                            "session.use_ort_model_bytes_directly",
+                            "session.use_ort_model_bytes_for_initializers",
+                        ] {
+                            b = b.with_config_entry(key, "1").map_err(|e| failed(e.message()))?;
+                        }
+                        b.commit_from_memory(slice).map(Runner::InPlace).map_err(|e| failed(e.message()))
                     })
                     .collect::<Result<_, _>>()?;
                 Ok((sessions, Some(bytes)))
@@ -301,20 +324,33 @@ impl Backend for OrtBackend {
     }
 
     fn estimate(&self, path: &Path, weights: Weights) -> FootprintEstimate {
-        let mut e = estimate::estimate(path, weights);
+        // Until its copy exists, a lean model loads from the .onnx, as `prepacked` does.
+        let lean = matches!(weights, Weights::Compact | Weights::Mapped);
+        let converted = || resolve_model_file(path).ok().and_then(|f| self.cached_ort_format(&f)).is_some();
+        let form = if lean && !converted() { Weights::Prepacked } else { weights };
+        let mut e = estimate::estimate(path, form);
+        if form != weights {
+            e.derivation += "; not converted yet: loads from the .onnx meanwhile";
+        }
         if task_of(path) == Task::Embedding {
             estimate::add_embedding(&mut e, path);
         }
-        // Until the ORT-format copy exists, the first load converts, which holds more.
-        let lean = matches!(weights, Weights::Compact | Weights::Mapped);
-        let converted = resolve_model_file(path)
-            .ok()
-            .zip(self.cache_dir.as_deref())
-            .is_some_and(|(f, d)| weights::cached_ort_file(&f, d, &self.library).is_some());
-        if lean && !converted {
-            estimate::add_conversion(&mut e, path);
-        }
         e
+    }
+
+    /// The ORT-format copy (`compact`, `mapped`) or the prepacked copy (`prepacked`) that
+    /// does not exist yet, as the peak its conversion holds: about 2.7x the model.
+    fn preparation(&self, path: &Path, weights: Weights) -> Option<u64> {
+        let dir = self.cache_dir.as_deref()?;
+        let file = resolve_model_file(path).ok()?;
+        let made = match weights {
+            Weights::Compact | Weights::Mapped => weights::cached_ort_file(&file, dir, &self.library),
+            Weights::Prepacked | Weights::Auto => weights::cached_prepacked_file(&file, dir, &self.library),
+        };
+        match made {
+            Some(_) => None,
+            None => estimate::conversion_peak(path),
+        }
     }
 
     fn task(&self, path: &Path) -> Task {
@@ -330,21 +366,23 @@ impl Backend for OrtBackend {
         read_signature(&file)
     }
 
-    /// Converts the model to the ORT format once (cached) for `compact` and `mapped`:
-    /// its transient memory (about 2.6x a 100 MiB model) is not what a load costs.
+    /// Makes the cached copy a load in `spec.weights` uses: the ORT-format file
+    /// (`compact`, `mapped`) or the prepacked copy (`prepacked`). Its transient memory
+    /// (about 2.6x a 100 MiB model) is the scheduler's to fit, never a load's.
     fn prepare(&self, spec: &LoadSpec) -> Result<(), LoadError> {
+        if task_of(&spec.path) == Task::Transcription {
+            return Ok(()); // its two graphs load prepacked from the .onnx files
+        }
         let file = resolve_model_file(&spec.path)
-            .map_err(|e| LoadError::Failed(format!("cannot load model '{}': {e}", spec.name)))?;
+            .map_err(|e| LoadError::Failed(format!("cannot prepare model '{}': {e}", spec.name)))?;
         read_signature(&file)?;
         match spec.weights {
             Weights::Compact | Weights::Mapped => self.ort_format(&spec.name, &file, spec.weights).map(drop),
             Weights::Prepacked | Weights::Auto => {
                 let Some(dir) = &self.cache_dir else { return Ok(()) };
-                // A copy that cannot be saved only costs load time: load the .onnx.
-                if let Err(e) = weights::prepacked_file(&self.env, &file, dir, &self.library) {
-                    tracing::warn!(model = %spec.name, error = %e, "loading from the .onnx file instead");
-                }
-                Ok(())
+                weights::prepacked_file(&self.env, &file, dir, &self.library)
+                    .map(drop)
+                    .map_err(|e| LoadError::Failed(format!("model '{}': {e}", spec.name)))
             }
         }
     }
@@ -367,7 +405,7 @@ impl Backend for OrtBackend {
                 let encoder = TextEncoder::load(&layout).map_err(LoadError::Failed)?;
                 Some((layout, graph, encoder))
             }
-            Task::Tensor => None,
+            Task::Tensor | Task::Transcription => None,
         };
         let (sessions, bytes) = self.sessions(spec, &file)?;
         tracing::debug!(model = %spec.name, file = %file.display(), sessions = sessions.len(), weights = spec.weights.as_str(), "onnx sessions created");

@@ -5,7 +5,7 @@ use std::{
     sync::{Mutex, MutexGuard, PoisonError, TryLockError},
 };
 
-use ort::session::{InMemorySession, OutputSelector, RunOptions, Session, SessionInputValue, SessionOutputs};
+use ort::session::{OutputSelector, RunOptions, Session, SessionInputValue, SessionOutputs};
 use snooze_core::{InferError, LoadedModel, ModelSignature, Tensor};
 
 use crate::{convert, errors, weights::ModelBytes};
@@ -13,8 +13,9 @@ use crate::{convert, errors, weights::ModelBytes};
 /// A session over the runtime's own copy of the model, or one that uses `bytes` in place.
 pub(crate) enum Runner {
     Own(Session),
-    /// Borrows from the `OrtModel`'s `bytes`, which it must not outlive (see `Drop`).
-    InPlace(InMemorySession<'static>),
+    /// Made with `session.use_ort_model_bytes_directly`: it reads the `OrtModel`'s
+    /// `bytes` in place, so it must not outlive them (see `Drop`).
+    InPlace(Session),
 }
 
 impl Runner {

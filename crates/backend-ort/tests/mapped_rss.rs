@@ -15,6 +15,7 @@ fn mapped_weights_stay_out_of_private_memory_and_come_back_on_unload() {
     let file_mib =
         std::fs::metadata(model("mlp-100m-1").join("model.onnx")).unwrap().len() as f64 / 1048576.0;
     // Convert first (and warm the runtime): what follows measures a load from the cache.
+    b.prepare(&spec).unwrap();
     drop(b.load(&spec).unwrap());
     snooze_core::memory::trim_heap();
     let (rss0, anon0, file0) = rss_parts_mib();

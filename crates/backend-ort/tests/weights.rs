@@ -1,5 +1,6 @@
 //! The three ways of holding a model's weights give the same outputs; `compact` and
-//! `mapped` are built from an ORT-format copy cached outside the user's files.
+//! `mapped` are built from an ORT-format copy cached outside the user's files, made by
+//! `prepare` — a load never converts: before the copy exists it loads the `.onnx`.
 
 #![allow(clippy::unwrap_used)]
 
@@ -42,6 +43,9 @@ fn every_profile_gives_the_same_outputs() {
         inputs().iter().map(|i| floats(&m.infer(i, &[]).unwrap())).collect::<Vec<_>>()
     };
     let prepacked = run(Weights::Prepacked);
+    // Not converted yet: the lean profiles serve from the .onnx, as prepacked does.
+    assert_eq!(run(Weights::Mapped), prepacked, "an unconverted mapped load is the .onnx's");
+    b.prepare(&spec("mlp-100m-1", Weights::Mapped)).unwrap();
     let compact = run(Weights::Compact);
     let mapped = run(Weights::Mapped);
     assert_eq!(compact, mapped, "the same kernels over the same bytes: bit for bit");
@@ -66,11 +70,18 @@ fn the_ort_format_copy_is_cached_once_outside_the_users_files() {
     let b = backend().with_cache_dir(&dir);
     let folder = model("mlp-10m");
     let before: Vec<_> = std::fs::read_dir(&folder).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let peak = b.preparation(&folder, Weights::Mapped).expect("a conversion is pending");
+    let file = std::fs::metadata(folder.join("model.onnx")).unwrap().len();
+    assert!(peak > 2 * file, "the conversion's peak: {peak} for a {file}-byte model");
     drop(b.load(&spec("mlp-10m", Weights::Mapped)).unwrap());
+    assert!(!dir.exists() || std::fs::read_dir(&dir).unwrap().next().is_none(), "a load does not convert");
+    b.prepare(&spec("mlp-10m", Weights::Mapped)).unwrap();
+    assert_eq!(b.preparation(&folder, Weights::Mapped), None, "nothing pending once converted");
     let cached: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
     assert_eq!(cached.len(), 1, "{cached:?}");
     assert!(cached[0].extension().is_some_and(|e| e == "ort"), "{cached:?}");
     let made = std::fs::metadata(&cached[0]).unwrap().modified().unwrap();
+    b.prepare(&spec("mlp-10m", Weights::Compact)).unwrap();
     drop(b.load(&spec("mlp-10m", Weights::Compact)).unwrap());
     assert_eq!(std::fs::metadata(&cached[0]).unwrap().modified().unwrap(), made, "converted once");
     let after: Vec<_> = std::fs::read_dir(&folder).unwrap().map(|e| e.unwrap().file_name()).collect();
@@ -78,30 +89,30 @@ fn the_ort_format_copy_is_cached_once_outside_the_users_files() {
 }
 
 #[test]
-fn a_cache_that_cannot_be_written_is_a_clear_error() {
+fn a_cache_that_cannot_be_written_is_a_clear_error_and_the_model_still_loads() {
     let b = backend().with_cache_dir("/proc/snooze-cannot-write-here");
-    let e = match b.load(&spec("mlp-10m", Weights::Mapped)) {
-        Err(e) => e.to_string(),
-        Ok(_) => panic!("loaded without a cache"),
-    };
+    let e = b.prepare(&spec("mlp-10m", Weights::Mapped)).unwrap_err().to_string();
     assert!(
         e.contains("mlp-10m") && e.contains("mapped") && e.contains("/proc/snooze-cannot-write-here"),
         "{e}"
     );
-    // Without any cache directory, the lean profiles say what they need.
-    let e = match backend().load(&spec("mlp-10m", Weights::Compact)) {
-        Err(e) => e.to_string(),
-        Ok(_) => panic!("loaded without a cache"),
-    };
+    assert!(b.load(&spec("mlp-10m", Weights::Mapped)).is_ok(), "served from the .onnx");
+    // Without any cache directory, the lean profiles say what they need to be prepared.
+    let e = backend().prepare(&spec("mlp-10m", Weights::Compact)).unwrap_err().to_string();
     assert!(e.contains("cache directory"), "{e}");
+    assert!(backend().load(&spec("mlp-10m", Weights::Compact)).is_ok(), "served from the .onnx");
 }
 
 #[test]
 fn mapped_and_compact_estimates_are_about_the_weights() {
-    let b = backend();
+    let b = backend().with_cache_dir(cache_dir("estimates"));
     let path = model("mlp-100m-1");
     let file = std::fs::metadata(path.join("model.onnx")).unwrap().len();
-    let lean = b.estimate(&path, Weights::Mapped).steady_bytes.unwrap();
     let prepacked = b.estimate(&path, Weights::Prepacked).steady_bytes.unwrap();
+    let before = b.estimate(&path, Weights::Mapped);
+    assert_eq!(before.steady_bytes, Some(prepacked), "not converted: it loads as the .onnx does");
+    assert!(before.derivation.contains("not converted yet"), "{}", before.derivation);
+    b.prepare(&spec("mlp-100m-1", Weights::Mapped)).unwrap();
+    let lean = b.estimate(&path, Weights::Mapped).steady_bytes.unwrap();
     assert!(lean < prepacked && lean >= file, "{lean} vs {prepacked}, file {file}");
 }

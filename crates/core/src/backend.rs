@@ -98,6 +98,9 @@ pub enum Task {
     Tensor,
     /// Texts in, vectors out (`/v1/embeddings`, and KServe BYTES).
     Embedding,
+    /// Audio in, text out (`/v1/audio/transcriptions`, and KServe BYTES): a job of many
+    /// runs (encoder windows, decoder steps) advanced in slices.
+    Transcription,
 }
 
 /// A backend's guess of what a model will take, and how it got there.
@@ -201,8 +204,9 @@ pub trait Embedder: Send + Sync {
     fn embed(&self, input: &EmbedInput) -> Result<Embeddings, InferError>;
 }
 
-/// A resident model. Dropping the last `Arc` releases it.
-pub trait LoadedModel: Send + Sync {
+/// A resident model. Dropping the last `Arc` releases it. `Any`: a task crate reaches
+/// its own model type behind the trait object (`(model as &dyn Any).downcast_ref`).
+pub trait LoadedModel: std::any::Any + Send + Sync {
     fn signature(&self) -> &ModelSignature;
     /// Runs the model. `outputs` names the outputs wanted; empty = all of them.
     /// Inputs are borrowed: the caller keeps them for an out-of-memory retry.
@@ -228,7 +232,8 @@ pub trait LoadedModel: Send + Sync {
 pub trait Backend: Send + Sync + 'static {
     /// The config name (`"onnx"`, `"candle"`).
     fn name(&self) -> &'static str;
-    /// Footprint from the files alone, for weights held as `weights`; never loads the model.
+    /// Footprint from the files alone of what a load in the form `weights` would take
+    /// now (without its preparation while that is pending); never loads the model.
     fn estimate(&self, path: &std::path::Path, weights: Weights) -> FootprintEstimate;
     /// What the model at `path` is for, from its files.
     fn task(&self, _path: &std::path::Path) -> Task {
@@ -236,10 +241,21 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// The model's inputs and outputs, read from its files without loading it.
     fn signature(&self, path: &std::path::Path) -> Result<ModelSignature, LoadError>;
-    /// Work done once before the model can load — not part of what a load costs (an
-    /// ORT-format conversion, cached on disk). Called before the load is measured.
+    /// The one-time work still to do before the model can load in the form `weights`
+    /// names (an ORT-format copy, a prepacked copy, cached on disk), as the bytes it
+    /// holds at its peak; `None` when there is none. Until it is done, a load serves the
+    /// model without it (see [`Backend::load`]), so a conversion that does not fit the
+    /// budget never makes a model unservable.
+    fn preparation(&self, _path: &std::path::Path, _weights: Weights) -> Option<u64> {
+        None
+    }
+    /// Does that one-time work (the scheduler starts it in the background, one at a time,
+    /// when memory allows; `snooze prepare` does it ahead of time). Never called by a load.
     fn prepare(&self, _spec: &LoadSpec) -> Result<(), LoadError> {
         Ok(())
     }
+    /// Loads the model, in its prepared form when the preparation was done, else in a
+    /// form that needs none (an ONNX model straight from its `.onnx`): a load never
+    /// waits for a conversion. `estimate` says what the form a load would take costs.
     fn load(&self, spec: &LoadSpec) -> Result<Arc<dyn LoadedModel>, LoadError>;
 }

@@ -37,6 +37,9 @@ pub enum EventKind {
     LoadFailed,
     /// Reloaded in its fast form while serving.
     Promoted,
+    /// A one-time preparation (a converted copy) was made in the background; `reason`
+    /// names the form it is for.
+    Prepared,
     /// Left memory; `reason` says why (evicted, idle, requested, pressure, shutdown, failed).
     Unloaded,
     /// A request was refused; `reason` is the error code.

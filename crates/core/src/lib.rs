@@ -13,6 +13,7 @@ pub mod events;
 pub mod execution;
 pub mod memory;
 pub mod pressure;
+pub mod task;
 pub mod tensor;
 
 pub use backend::{
@@ -21,6 +22,7 @@ pub use backend::{
 };
 pub use error::{ErrorKind, SnoozeError};
 pub use memory::{HostProbe, MemoryProbe, MemorySnapshot};
+pub use task::{Progress, SliceRunner, TaskJob};
 pub use tensor::{DataType, ModelSignature, Tensor, TensorData, TensorSpec};
 pub mod learned;
 pub mod lifecycle;

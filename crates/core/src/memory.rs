@@ -222,6 +222,23 @@ pub fn tune_allocator_for_low_ram() -> bool {
 
 /// Returns freed heap to the OS. glibc keeps freed arenas otherwise, so an unloaded
 /// model would still count against the cgroup and RSS.
+/// Lowers the calling thread's CPU priority (nice 10), for background work that must not
+/// take the cores from requests: on a busy machine it gets about a tenth of a core's
+/// share. Not 19: at the lowest weight (1.5% of a busy core) a one-second conversion
+/// could wait minutes beside a benchmark or a compiler. A thread cannot raise its priority back
+/// without privileges, so only threads that end with their work call this.
+pub fn lower_thread_priority() {
+    // SAFETY: gettid takes no arguments; setpriority with PRIO_PROCESS and a thread id
+    // changes only that thread's nice value (Linux threads are scheduled one by one).
+    let done = unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, 10)
+    };
+    if done != 0 {
+        tracing::debug!("cannot lower a background thread's priority");
+    }
+}
+
 pub fn trim_heap() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only walks glibc's own arenas.

@@ -102,20 +102,8 @@ fn resolve_weights(
         .collect())
 }
 
-/// Builds the model manager and the HTTP state from a validated config. Must run
-/// inside a tokio runtime.
-pub fn build(config: &Config) -> anyhow::Result<AppState> {
-    if config.server.low_ram_mode {
-        let tuned = snooze_core::memory::tune_allocator_for_low_ram();
-        tracing::info!(
-            tuned,
-            "low-RAM mode: one malloc arena, 64 KiB mmap threshold, trim after large requests"
-        );
-    }
-    // Installed before anything is recorded: the counters start at the first event.
-    http::metrics::handle();
-    let backends = Backends::for_config(config)?;
-    let probe = Arc::new(HostProbe::new());
+/// The budget a config gives, and what the server holds before any model.
+fn budget_of(config: &Config, probe: &HostProbe) -> anyhow::Result<(u64, u64)> {
     let snap = probe.snapshot();
     let s = &config.server;
     let budget = match s.host_memory_limit {
@@ -133,6 +121,83 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
             format_bytes(s.headroom)
         );
     }
+    Ok((budget, baseline))
+}
+
+/// Whether `auto` chose the quick-to-swap form, so a model that then stays and batches
+/// is reloaded in place in the fast one (and its prepacked copy is worth making).
+fn promotable(m: &config::ModelSettings, weights: Weights) -> bool {
+    m.weights == Weights::Auto && weights == Weights::Mapped && m.max_batch_size > 1
+}
+
+/// `snooze prepare`: makes every one-time copy the config's models load from (ORT
+/// format, prepacked), as a server would in the background, but now and in the
+/// foreground — for an image build, an init container or a deploy. Reports each model
+/// through `report`; returns how many preparations failed.
+pub fn prepare(config: &Config, mut report: impl FnMut(&str)) -> anyhow::Result<usize> {
+    let backends = Backends::for_config(config)?;
+    let (budget, baseline) = budget_of(config, &HostProbe::new())?;
+    let weights = resolve_weights(config, &backends, budget, baseline)?;
+    let mut failed = 0;
+    for (m, weights) in config.models.iter().zip(weights) {
+        let backend = backends.get(m.backend)?;
+        let mut forms = vec![weights];
+        if promotable(m, weights) {
+            forms.push(Weights::Prepacked);
+        }
+        let mut any = false;
+        for form in forms {
+            if backend.preparation(&m.path, form).is_none() {
+                continue;
+            }
+            any = true;
+            let spec = snooze_core::LoadSpec {
+                name: m.name.clone(),
+                path: m.path.clone(),
+                device: Device::Cpu,
+                intra_op_threads: config.server.intra_op_threads,
+                instances: 1,
+                weights: form,
+            };
+            let started = std::time::Instant::now();
+            match backend.prepare(&spec) {
+                Ok(()) => report(&format!(
+                    "{}: prepared ({}) in {:.1} s",
+                    m.name,
+                    form.as_str(),
+                    started.elapsed().as_secs_f64()
+                )),
+                Err(e) => {
+                    failed += 1;
+                    report(&format!("{}: FAILED ({}): {e}", m.name, form.as_str()));
+                }
+            }
+            snooze_core::memory::trim_heap();
+        }
+        if !any {
+            report(&format!("{}: nothing to prepare", m.name));
+        }
+    }
+    Ok(failed)
+}
+
+/// Builds the model manager and the HTTP state from a validated config. Must run
+/// inside a tokio runtime.
+pub fn build(config: &Config) -> anyhow::Result<AppState> {
+    if config.server.low_ram_mode {
+        let tuned = snooze_core::memory::tune_allocator_for_low_ram();
+        tracing::info!(
+            tuned,
+            "low-RAM mode: one malloc arena, 64 KiB mmap threshold, trim after large requests"
+        );
+    }
+    // Installed before anything is recorded: the counters start at the first event.
+    http::metrics::handle();
+    let backends = Backends::for_config(config)?;
+    let probe = Arc::new(HostProbe::new());
+    let snap = probe.snapshot();
+    let s = &config.server;
+    let (budget, baseline) = budget_of(config, &probe)?;
     let weights = resolve_weights(config, &backends, budget, baseline)?;
     let mut models = Vec::new();
     for (m, weights) in config.models.iter().zip(weights) {
@@ -160,9 +225,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
             batch_delay: m.batch_delay,
             max_concurrency: m.max_concurrency,
             priority: m.priority,
-            // `auto` chose the quick-to-swap form: a model that then stays and batches
-            // is reloaded in place in the fast one.
-            promotable: m.weights == Weights::Auto && weights == Weights::Mapped && m.max_batch_size > 1,
+            promotable: promotable(m, weights),
         };
         models.push(ModelEntry {
             policy,

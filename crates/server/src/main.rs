@@ -36,6 +36,10 @@ struct Remote {
 enum Command {
     /// Start the server (KServe v2 REST, OpenAI /v1/embeddings, admin API).
     Serve(Box<ServeArgs>),
+    /// Make the one-time copies the models load fastest from (ORT format, prepacked)
+    /// into state_dir now, instead of in the background of a running server: for an
+    /// image build, an init container or before a deploy. Takes `serve`'s flags.
+    Prepare(Box<ServeArgs>),
     /// Validate a config file without serving; exits non-zero with the reason.
     Check {
         /// The snooze.toml to check.
@@ -233,6 +237,16 @@ async fn serve(args: ServeArgs, overrides: RawServer) -> anyhow::Result<()> {
     snooze_server::serve(listener, grpc, state, shutdown_signal()).await
 }
 
+fn prepare(args: ServeArgs, overrides: RawServer) -> anyhow::Result<()> {
+    let config = load_config(args.config.as_ref(), overrides, args.model_dir.clone())?;
+    println!("state_dir: {}", config.server.state_dir.display());
+    let failed = snooze_server::prepare(&config, |line| println!("{line}"))?;
+    match failed {
+        0 => Ok(()),
+        n => anyhow::bail!("{n} preparation(s) failed; the models still load, from their .onnx"),
+    }
+}
+
 fn guess_backend(path: &std::path::Path) -> &'static str {
     if path.join("config.json").is_file() && !path.join("model.onnx").exists() {
         "candle"
@@ -287,7 +301,10 @@ fn check(path: PathBuf, model_dir: Option<PathBuf>) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    let matches = Cli::command().mut_subcommand("serve", |c| c.args(server_key_args())).get_matches();
+    let matches = Cli::command()
+        .mut_subcommand("serve", |c| c.args(server_key_args()))
+        .mut_subcommand("prepare", |c| c.args(server_key_args()))
+        .get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let result = match cli.command {
         Command::Serve(args) => {
@@ -297,6 +314,11 @@ fn main() -> ExitCode {
                 Ok(rt) => rt.block_on(serve(*args, overrides)),
                 Err(e) => Err(e.into()),
             }
+        }
+        Command::Prepare(args) => {
+            init_logs(args.log_format);
+            let overrides = matches.subcommand_matches("prepare").map(overrides).unwrap_or_default();
+            prepare(*args, overrides)
         }
         Command::Check { config, model_dir } => check(config, model_dir),
         Command::Estimate { path, backend, weights } => estimate(path, backend, &weights),

@@ -11,7 +11,7 @@ use crate::events::metric;
 
 use super::{
     queue::{Priority, Queued, Retry},
-    refusal, Action, ModelId, RequestId, RunOutcome, Scheduler, SlotState, UnloadReason,
+    refusal, Action, ModelId, RequestId, Resume, RunOutcome, Scheduler, SlotState, UnloadReason,
 };
 
 impl Scheduler {
@@ -81,6 +81,7 @@ impl Scheduler {
         reqs: Vec<RequestId>,
         outcome: RunOutcome,
         took: Duration,
+        continuing: Vec<Resume>,
     ) {
         let s = &mut self.slots[model];
         s.running = s.running.saturating_sub(1);
@@ -94,6 +95,15 @@ impl Scheduler {
         }
         let per = took / u32::try_from(reqs.len().max(1)).unwrap_or(u32::MAX);
         s.per_request = Some(s.per_request.map_or(per, |old| (old * 7 + per) / 8));
+        // A task job with more slices goes to the back of its lane: requests that came
+        // meanwhile, of this model or (by the dispatch order) of others, run first, and
+        // jobs resumed together share the next slice.
+        for r in continuing {
+            if let Some((_, priority, _)) = self.in_flight.remove(&r.req) {
+                let q = Queued { req: r.req, rows: r.rows, key: r.key, since: now, retry: Retry::First };
+                self.slots[model].queue.push(priority, q);
+            }
+        }
         let records: Vec<(ModelId, Priority, Queued)> =
             reqs.iter().filter_map(|r| self.in_flight.remove(r)).collect();
         match outcome {

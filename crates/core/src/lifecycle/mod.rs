@@ -19,25 +19,32 @@
 //! when they waited `queue_timeout`.
 
 mod dispatch;
+mod loads;
 mod plan;
+mod prepare;
 mod queue;
 mod refusal;
+mod requests;
 mod slot;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_prepare;
+#[cfg(test)]
 mod tests_queueing;
+mod unloads;
 
 use std::{
     collections::{BTreeMap, HashMap},
     time::{Duration, Instant},
 };
 
+pub use prepare::{Preparation, Prepared};
 pub use queue::{Priority, Queued, Retry};
 pub use slot::{ModelPolicy, ModelSlot, ModelStatus, SlotState, StateName};
 
 use crate::{
-    backend::{Device, LoadError},
+    backend::{Device, LoadError, Weights},
     error::{ErrorKind, SnoozeError},
     pressure::PressureLevel,
     units::KeepAlive,
@@ -120,12 +127,22 @@ pub struct Submit {
     pub key: Option<u64>,
 }
 
+/// A task job that ran a slice and queues again for the next: its rows and batch key
+/// may have changed with its state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resume {
+    pub req: RequestId,
+    pub rows: u32,
+    pub key: Option<u64>,
+}
+
 /// How a dispatched batch ended, as far as the scheduler cares (the shell answered
 /// the requests of a finished batch itself).
 #[derive(Debug, Clone, PartialEq)]
 pub enum RunOutcome {
     Done,
-    /// The backend verified an allocation failure: nobody was answered; retry or refuse.
+    /// The backend verified an allocation failure: nobody was answered (but the jobs that
+    /// continue); retry or refuse.
     OutOfMemory(String),
     /// The backend panicked: the requests were answered 500; the model is not trusted.
     Panicked(String),
@@ -142,14 +159,23 @@ pub enum Event {
     Unload { req: RequestId, model: ModelId },
     /// A waiting caller went away (timeout, disconnect): it leaves its queue at once.
     Cancel { req: RequestId },
-    /// A dispatched batch ended.
-    RunFinished { model: ModelId, reqs: Vec<RequestId>, outcome: RunOutcome, took: Duration },
+    /// A dispatched batch ended. `continuing`: task jobs of the batch that ran a slice
+    /// and have more to run; they queue again (see [`crate::task`]).
+    RunFinished {
+        model: ModelId,
+        reqs: Vec<RequestId>,
+        outcome: RunOutcome,
+        took: Duration,
+        continuing: Vec<Resume>,
+    },
     /// A load ended. `measured`: bytes the load took, when the shell could measure it.
     LoadFinished { model: ModelId, result: Result<LoadMeasurement, LoadError>, took: Duration },
     /// An unload ended and its memory was given back.
     UnloadFinished { model: ModelId },
     /// A promotion ended: the model now serves from its fast form (or stays as it was).
     PromoteFinished { model: ModelId, result: Result<LoadMeasurement, LoadError> },
+    /// A preparation (see `prepare`) ended.
+    PrepareFinished { model: ModelId, weights: Weights, result: Prepared },
     /// Unload every idle model but `except` (pinned ones too when `include_pinned`);
     /// answered with [`Action::Collected`] once they are all gone.
     Collect { req: RequestId, except: Option<ModelId>, include_pinned: bool, reason: UnloadReason },
@@ -178,6 +204,9 @@ pub enum Action {
     /// Load a second instance of a resident model in its fast form while the first keeps
     /// serving; swap them, then send `PromoteFinished`.
     StartPromote { model: ModelId, device: Device },
+    /// Do the model's one-time preparation for `weights` in the background (lowest
+    /// priority), then send `PrepareFinished`.
+    StartPrepare { model: ModelId, weights: Weights },
     /// Drop the model, trim the heap, then send `UnloadFinished`.
     StartUnload { model: ModelId, device: Device, reason: UnloadReason, bytes: u64 },
     /// Run these requests as one batch, in micro-batches of at most `max_rows` rows,
@@ -209,6 +238,8 @@ pub struct Scheduler {
     /// Dispatched requests: what they were, in case an out-of-memory retry requeues them.
     in_flight: HashMap<RequestId, (ModelId, Priority, Queued)>,
     running: u32,
+    /// The preparation in progress and the bytes it holds at its peak.
+    preparing: Option<(ModelId, u64)>,
     collections: Vec<Collection>,
     shutting_down: bool,
     pressure: PressureLevel,
@@ -228,6 +259,7 @@ impl Scheduler {
             unreadable: Vec::new(),
             in_flight: HashMap::new(),
             running: 0,
+            preparing: None,
             collections: Vec::new(),
             shutting_down: false,
             pressure: PressureLevel::Normal,
@@ -284,7 +316,7 @@ impl Scheduler {
     /// Memory given back on purpose (an unload or gc asked for, an emergency) stays
     /// given back: no model evicted earlier is preloaded into it, until a load evicts
     /// again.
-    fn forget_evictions(&mut self) {
+    pub(super) fn forget_evictions(&mut self) {
         for s in &mut self.slots {
             s.evicted_at = None;
         }
@@ -326,10 +358,11 @@ impl Scheduler {
         self.unreadable[model].is_some()
     }
 
-    /// Bytes accounted on a device: baseline + every resident, loading or unloading model.
+    /// Bytes accounted on a device: baseline + every resident, loading or unloading model
+    /// + a preparation in progress.
     pub fn accounted(&self, device: &Device) -> u64 {
         let models: u64 = self.slots.iter().filter_map(|s| s.held_on(device)).sum();
-        self.config.baselines.get(device).copied().unwrap_or(0) + models
+        self.config.baselines.get(device).copied().unwrap_or(0) + models + self.preparing_bytes(device)
     }
 
     /// Bytes accounted to each model holding memory on `device`.
@@ -366,12 +399,15 @@ impl Scheduler {
                 self.on_unload(req, model)
             }
             Event::Cancel { req } => self.on_cancel(req),
-            Event::RunFinished { model, reqs, outcome, took } => {
-                self.on_run_finished(now, model, reqs, outcome, took)
+            Event::RunFinished { model, reqs, outcome, took, continuing } => {
+                self.on_run_finished(now, model, reqs, outcome, took, continuing)
             }
             Event::LoadFinished { model, result, took } => self.on_load_finished(now, model, result, took),
             Event::UnloadFinished { model } => self.on_unload_finished(now, model),
             Event::PromoteFinished { model, result } => self.on_promote_finished(model, result),
+            Event::PrepareFinished { model, weights, result } => {
+                self.on_prepare_finished(model, weights, result)
+            }
             Event::Collect { req, except, include_pinned, reason } => {
                 self.forget_evictions();
                 self.on_collect(req, except, include_pinned, reason)
@@ -423,429 +459,25 @@ impl Scheduler {
         std::mem::take(&mut self.actions)
     }
 
-    fn push(&mut self, action: Action) {
+    pub(super) fn push(&mut self, action: Action) {
         self.actions.push(action);
     }
 
-    fn refuse(&mut self, req: RequestId, err: SnoozeError) {
+    pub(super) fn refuse(&mut self, req: RequestId, err: SnoozeError) {
         self.push(Action::Reply { req, result: Err(err) });
     }
 
-    /// Why a model cannot be used right now, if it cannot.
-    fn unavailable(&self, now: Instant, model: ModelId) -> Option<SnoozeError> {
-        if self.shutting_down {
-            return Some(self.shutting_down_error());
-        }
-        let s = &self.slots[model];
-        if let Some(why) = &self.unreadable[model] {
-            return Some(SnoozeError::new(
-                ErrorKind::ModelFailed,
-                format!("model '{}' cannot be loaded: {why}", s.policy.name),
-            ));
-        }
-        match &s.state {
-            SlotState::Failed { until, error } if *until > now => {
-                let wait = *until - now;
-                Some(
-                    SnoozeError::new(
-                        ErrorKind::ModelFailed,
-                        format!(
-                            "model '{}' failed and is backing off for {:.1}s more: {error}",
-                            s.policy.name,
-                            wait.as_secs_f64()
-                        ),
-                    )
-                    .retry_after(wait),
-                )
-            }
-            _ => None,
-        }
-    }
-
-    fn on_submit(&mut self, now: Instant, sub: Submit) {
-        let model = sub.model;
-        if let Some(err) = self.unavailable(now, model) {
-            return self.refuse(sub.req, err);
-        }
-        let s = &self.slots[model];
-        let priority = sub.priority.unwrap_or(s.policy.priority);
-        if priority == Priority::Low && self.pressure >= PressureLevel::Critical {
-            return self.refuse(sub.req, refusal::low_priority_under_pressure(self.config.retry_after));
-        }
-        if s.queue.len() >= s.policy.max_queue {
-            let err = self.queue_full_error(model);
-            match self.slots[model].queue.pop_least_urgent_below(priority) {
-                // A full queue makes room for a more urgent request by dropping the
-                // newest of its least urgent ones.
-                Some(dropped) => self.refuse(dropped.req, err),
-                None => return self.refuse(sub.req, err),
-            }
-        }
-        self.slots[model].last_request = Some(now);
-        self.enqueue(
-            model,
-            priority,
-            Queued { req: sub.req, rows: sub.rows, key: sub.key, since: now, retry: Retry::First },
-        );
-    }
-
-    fn enqueue(&mut self, model: ModelId, priority: Priority, q: Queued) {
-        let s = &mut self.slots[model];
-        if matches!(s.state, SlotState::Failed { .. }) {
-            s.state = SlotState::Unloaded;
-        }
-        if matches!(s.state, SlotState::Unloaded) && !s.wants_load() {
-            s.device_index = 0;
-        }
-        s.queue.push(priority, q);
-    }
-
-    fn on_load(&mut self, now: Instant, req: RequestId, model: ModelId) {
-        self.supersede_unload(model);
-        if let Some(err) = self.unavailable(now, model) {
-            return self.refuse(req, err);
-        }
-        let s = &mut self.slots[model];
-        match s.state {
-            SlotState::Ready { .. } => self.push(Action::Reply { req, result: Ok(()) }),
-            _ => {
-                if matches!(s.state, SlotState::Failed { .. }) {
-                    s.state = SlotState::Unloaded;
-                }
-                if matches!(s.state, SlotState::Unloaded) && !s.wants_load() {
-                    s.device_index = 0;
-                }
-                s.load_waiters.push((req, now));
-            }
-        }
-    }
-
-    fn on_unload(&mut self, req: RequestId, model: ModelId) {
-        let s = &mut self.slots[model];
-        match &s.state {
-            SlotState::Unloaded | SlotState::Failed { .. } => {
-                self.push(Action::Reply { req, result: Ok(()) })
-            }
-            SlotState::Ready { .. } if s.running == 0 => {
-                s.unload_waiters.push(req);
-                self.begin_unload(model, UnloadReason::Requested);
-            }
-            SlotState::Unloading { .. } => s.unload_waiters.push(req),
-            // Runs in flight (or a load) end first; meanwhile nothing more is dispatched.
-            _ => {
-                s.unload_requested = true;
-                s.unload_waiters.push(req);
-            }
-        }
-    }
-
-    fn on_cancel(&mut self, req: RequestId) {
-        self.in_flight.remove(&req);
-        for s in &mut self.slots {
-            s.queue.remove(req);
-            s.load_waiters.retain(|(r, _)| *r != req);
-            s.unload_waiters.retain(|r| *r != req);
-        }
-    }
-
-    fn on_collect(
-        &mut self,
-        req: RequestId,
-        except: Option<ModelId>,
-        include_pinned: bool,
-        reason: UnloadReason,
-    ) {
-        let victims: Vec<ModelId> = (0..self.slots.len())
-            .filter(|&id| Some(id) != except)
-            .filter(|&id| {
-                self.slots[id].idle().is_some() && (include_pinned || !self.slots[id].policy.pinned)
-            })
-            .collect();
-        for &v in &victims {
-            self.begin_unload(v, reason);
-        }
-        if victims.is_empty() {
-            self.push(Action::Collected { req, models: Vec::new() });
-        } else {
-            self.collections.push(Collection { req, pending: victims.clone(), models: victims });
-        }
-    }
-
-    fn on_load_finished(
-        &mut self,
-        now: Instant,
-        model: ModelId,
-        result: Result<LoadMeasurement, LoadError>,
-        took: Duration,
-    ) {
-        let SlotState::Loading { device, .. } = self.slots[model].state.clone() else {
-            debug_assert!(false, "load finished for a model that was not loading");
-            return;
-        };
-        match result {
-            Ok(measured) => self.became_ready(now, model, device, measured, took),
-            Err(LoadError::OutOfMemory(msg)) => {
-                // Verified OOM: make room by evicting one more idle model and retry.
-                self.slots[model].state = SlotState::Unloaded;
-                if !self.slots[model].wants_load() {
-                    // A preload: nobody waits for it, and nothing is evicted for it.
-                    return;
-                }
-                if let Some(victim) = self.lru_idle(&device, model, now).first().copied() {
-                    self.slots[model].evicted_for += self.slots[victim].resident_bytes();
-                    self.begin_unload(victim, UnloadReason::Evicted);
-                } else {
-                    let text = format!(
-                        "model '{}' ran out of memory while loading on {device} and no idle model is left to evict: {msg}",
-                        self.slots[model].policy.name
-                    );
-                    self.slots[model].last_error = Some(text.clone());
-                    let err = SnoozeError::new(ErrorKind::InsufficientMemory, text)
-                        .retry_after(self.config.retry_after);
-                    self.fail_all(model, err);
-                }
-            }
-            Err(LoadError::Failed(msg)) => {
-                let s = &mut self.slots[model];
-                s.failures += 1;
-                s.last_error = Some(msg.clone());
-                s.last_load = Some(took);
-                let backoff = self.backoff(self.slots[model].failures);
-                let s = &mut self.slots[model];
-                s.state = SlotState::Failed { until: now + backoff, error: msg.clone() };
-                let err = SnoozeError::new(
-                    ErrorKind::ModelFailed,
-                    format!("model '{}' failed to load: {msg}", s.policy.name),
-                );
-                self.fail_all(model, err);
-            }
-        }
-    }
-
-    fn became_ready(
-        &mut self,
-        now: Instant,
-        model: ModelId,
-        device: Device,
-        measured: LoadMeasurement,
-        took: Duration,
-    ) {
-        let s = &mut self.slots[model];
-        s.loads += 1;
-        s.failures = 0;
-        s.evicted_for = 0;
-        s.last_load = Some(took);
-        s.last_error = None;
-        if let Some(m) = measured.steady {
-            s.measured_bytes = Some(m);
-            s.learned_bytes = Some(m);
-        }
-        if let Some(p) = measured.peak {
-            s.measured_peak_bytes = Some(p);
-            s.learned_peak_bytes = Some(p);
-        }
-        let footprint = s.resident_bytes();
-        s.evicted_at = None;
-        s.fresh = true;
-        s.batched_runs = 0;
-        s.promoted = false;
-        s.state = SlotState::Ready { device, last_used: now, loaded_at: now, footprint };
-        // It serves what waited for it before anything may evict it.
-        s.owed = s.queue.len();
-        for (req, _) in std::mem::take(&mut s.load_waiters) {
-            self.actions.push(Action::Reply { req, result: Ok(()) });
-        }
-        self.maybe_unload_after_work(model);
-    }
-
-    fn on_promote_finished(&mut self, model: ModelId, result: Result<LoadMeasurement, LoadError>) {
-        let s = &mut self.slots[model];
-        s.promoting = None;
-        // Failed or not, not tried again until the next load.
-        s.promoted = true;
-        match result {
-            Ok(measured) => {
-                if let (Some(bytes), SlotState::Ready { footprint, .. }) = (measured.steady, &mut s.state) {
-                    if s.policy.memory.is_none() {
-                        *footprint = bytes;
-                        s.measured_bytes = Some(bytes);
-                    }
-                }
-            }
-            Err(e) => {
-                tracing::warn!(model = %s.policy.name, error = %e, "promotion failed: the model keeps serving as it was")
-            }
-        }
-        self.maybe_unload_after_work(model);
-    }
-
-    fn on_unload_finished(&mut self, now: Instant, model: ModelId) {
-        let s = &mut self.slots[model];
-        let reason = match &s.state {
-            SlotState::Unloading { reason, .. } => Some(*reason),
-            _ => None,
-        };
-        debug_assert!(reason.is_some(), "unload finished for a model that was not unloading");
-        s.state = SlotState::Unloaded;
-        s.draining = false;
-        s.owed = 0;
-        s.device_index = 0;
-        self.answer_unload_waiters(model);
-        for c in &mut self.collections {
-            c.pending.retain(|m| *m != model);
-        }
-        let (done, open): (Vec<Collection>, Vec<Collection>) =
-            std::mem::take(&mut self.collections).into_iter().partition(|c| c.pending.is_empty());
-        self.collections = open;
-        for c in done {
-            self.push(Action::Collected { req: c.req, models: c.models });
-        }
-        if let Some(why) = self.slots[model].poisoned.take() {
-            // Like a failed load: back off, so a model that panics on every request is
-            // not reloaded for every request.
-            let backoff = self.backoff(self.slots[model].panics);
-            let s = &mut self.slots[model];
-            s.state = SlotState::Failed { until: now + backoff, error: why.clone() };
-            let err = SnoozeError::new(
-                ErrorKind::ModelFailed,
-                format!(
-                    "model '{}' was unloaded after it failed ({why}); it reloads in {:.1}s",
-                    s.policy.name,
-                    backoff.as_secs_f64()
-                ),
-            )
-            .retry_after(backoff);
-            self.fail_all(model, err);
-            return;
-        }
-        if reason != Some(UnloadReason::Failed) {
-            // Left memory normally: earlier panics no longer count toward the backoff.
-            self.slots[model].panics = 0;
-        }
-        if self.shutting_down {
-            let err = self.shutting_down_error();
-            self.fail_all(model, err);
-        }
-    }
-
-    fn on_shutdown(&mut self) {
-        self.shutting_down = true;
-        let err = self.shutting_down_error();
-        for id in 0..self.slots.len() {
-            if !self.slots[id].is_ready() {
-                self.fail_all(id, err.clone());
-            } else {
-                let waiting: Vec<Queued> = self.slots[id].queue.drain();
-                for q in waiting {
-                    self.refuse(q.req, err.clone());
-                }
-            }
-            if self.slots[id].idle().is_some() {
-                self.begin_unload(id, UnloadReason::Shutdown);
-            }
-        }
-    }
-
-    /// Refuses everything waiting for the model (requests and loads) and answers its
-    /// pending unloads: the model is not going to be in memory for them.
-    fn fail_all(&mut self, model: ModelId, err: SnoozeError) {
-        let s = &mut self.slots[model];
-        let waiting: Vec<RequestId> = s
-            .queue
-            .drain()
-            .into_iter()
-            .map(|q| q.req)
-            .chain(std::mem::take(&mut s.load_waiters).into_iter().map(|(r, _)| r))
-            .collect();
-        for req in waiting {
-            self.actions.push(Action::Reply { req, result: Err(err.clone()) });
-        }
-        self.answer_unload_waiters(model);
-    }
-
-    /// First backoff, doubled per consecutive failure, capped.
-    fn backoff(&self, failures: u32) -> Duration {
-        self.config
-            .backoff_base
-            .saturating_mul(1 << failures.saturating_sub(1).min(16))
-            .min(self.config.backoff_max)
-    }
-
-    /// The model is not in memory any more (or never got there): every pending unload
-    /// is done, and the request for one does not outlive this load.
-    fn answer_unload_waiters(&mut self, model: ModelId) {
-        let s = &mut self.slots[model];
-        s.unload_requested = false;
-        for req in std::mem::take(&mut s.unload_waiters) {
-            self.actions.push(Action::Reply { req, result: Ok(()) });
-        }
-    }
-
-    /// A load asked for after an unload wins: the unload is called off and its callers
-    /// are told so rather than left waiting for an unload that will not come.
-    fn supersede_unload(&mut self, model: ModelId) {
-        let s = &mut self.slots[model];
-        if !s.unload_requested {
-            return;
-        }
-        s.unload_requested = false;
-        let err = SnoozeError::new(
-            ErrorKind::Conflict,
-            format!("the unload of model '{}' was called off by a later load request", s.policy.name),
-        );
-        for req in std::mem::take(&mut s.unload_waiters) {
-            self.actions.push(Action::Reply { req, result: Err(err.clone()) });
-        }
-    }
-
-    /// Once nothing runs and nothing waits, a pending unload, a panic, shutdown or a
-    /// zero keep-alive takes the model out of memory.
-    fn maybe_unload_after_work(&mut self, model: ModelId) {
-        let s = &self.slots[model];
-        if !s.is_ready() || s.running > 0 {
-            return;
-        }
-        if s.poisoned.is_some() {
-            return self.begin_unload(model, UnloadReason::Failed);
-        }
-        if s.unload_requested {
-            return self.begin_unload(model, UnloadReason::Requested);
-        }
-        if !s.queue.is_empty() {
-            return;
-        }
-        if self.shutting_down {
-            self.begin_unload(model, UnloadReason::Shutdown);
-        } else if s.policy.keep_alive == KeepAlive::For(Duration::ZERO) && !s.policy.pinned {
-            self.begin_unload(model, UnloadReason::Idle);
-        }
-    }
-
-    /// Moves a Ready model with nothing running to Unloading.
-    fn begin_unload(&mut self, model: ModelId, reason: UnloadReason) {
-        let s = &mut self.slots[model];
-        let SlotState::Ready { device, footprint, .. } = &s.state else { return };
-        // A promotion in flight ends first (then `on_promote_finished` looks again).
-        if s.running > 0 || s.promoting.is_some() {
-            return;
-        }
-        let (device, bytes) = (device.clone(), *footprint);
-        if reason == UnloadReason::Evicted {
-            s.evictions += 1;
-        }
-        s.state = SlotState::Unloading { device: device.clone(), footprint: bytes, reason };
-        self.actions.push(Action::StartUnload { model, device, reason, bytes });
-    }
-
-    fn device_index(&self, model: ModelId, device: &Device) -> usize {
+    pub(super) fn device_index(&self, model: ModelId, device: &Device) -> usize {
         self.slots[model].policy.devices.iter().position(|d| d == device).unwrap_or(0)
     }
 
-    /// Starts what can start: loads (and the evictions they need), then batches.
-    fn pump(&mut self, now: Instant) {
+    /// Starts what can start: loads (and the evictions they need), then batches, then
+    /// a background preparation if the host is quiet.
+    pub(super) fn pump(&mut self, now: Instant) {
         self.wake = None;
         self.plan_loads(now);
         self.dispatch(now);
+        self.plan_preparation();
     }
 
     /// What a model's next request can expect to wait: the requests ahead of it times
@@ -861,16 +493,16 @@ impl Scheduler {
         wait
     }
 
-    fn queue_full_error(&self, model: ModelId) -> SnoozeError {
+    pub(super) fn queue_full_error(&self, model: ModelId) -> SnoozeError {
         let s = &self.slots[model];
         refusal::queue_full(s.name(), s.policy.max_queue, self.expected_wait(model))
     }
 
-    fn queue_timeout_error(&self, model: ModelId) -> SnoozeError {
+    pub(super) fn queue_timeout_error(&self, model: ModelId) -> SnoozeError {
         refusal::queue_timeout(self.slots[model].name(), self.config.queue_timeout, self.expected_wait(model))
     }
 
-    fn shutting_down_error(&self) -> SnoozeError {
+    pub(super) fn shutting_down_error(&self) -> SnoozeError {
         SnoozeError::new(ErrorKind::ShuttingDown, "the server is shutting down")
             .retry_after(self.config.retry_after)
     }

@@ -161,6 +161,8 @@ pub struct ModelSlot {
     pub(super) promoting: Option<u64>,
     /// Serving from its fast form since the last load (or a promotion failed: not retried).
     pub(super) promoted: bool,
+    /// One-time preparations still to do (see `prepare`), next first.
+    pub(super) preparations: Vec<super::Preparation>,
 }
 
 impl ModelSlot {
@@ -196,6 +198,7 @@ impl ModelSlot {
             batched_runs: 0,
             promoting: None,
             promoted: false,
+            preparations: Vec::new(),
         }
     }
 

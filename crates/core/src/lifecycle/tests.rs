@@ -153,6 +153,7 @@ impl Harness {
             reqs,
             outcome: RunOutcome::Done,
             took: Duration::from_millis(4),
+            continuing: vec![],
         });
         self.settle(a)
     }
@@ -834,6 +835,7 @@ fn a_model_that_panics_is_unloaded_then_backs_off_without_a_reload_storm() {
             reqs,
             outcome: RunOutcome::Panicked("boom".into()),
             took: Duration::ZERO,
+            continuing: vec![],
         });
         h.settle(a)
     };

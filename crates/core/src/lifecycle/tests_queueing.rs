@@ -303,7 +303,13 @@ fn retry_after_is_queue_position_times_the_measured_time_per_request_plus_a_load
     });
     let r = h.use_model("a").unwrap();
     let (model, reqs, _) = h.batch_of(r).unwrap();
-    h.feed(Event::RunFinished { model, reqs, outcome: RunOutcome::Done, took: Duration::from_millis(50) });
+    h.feed(Event::RunFinished {
+        model,
+        reqs,
+        outcome: RunOutcome::Done,
+        took: Duration::from_millis(50),
+        continuing: vec![],
+    });
     assert_eq!(h.s.expected_wait(0), Duration::from_millis(50), "nothing queued: one request's time");
     let running = h.use_model("a").unwrap();
     for _ in 0..40 {
@@ -335,6 +341,7 @@ fn out_of_memory_in_a_run_evicts_idle_models_then_halves_then_refuses() {
             reqs,
             outcome: RunOutcome::OutOfMemory("Failed to allocate memory".into()),
             took: Duration::ZERO,
+            continuing: vec![],
         });
         (max_rows, h.settle(a))
     };

@@ -1,0 +1,91 @@
+//! Whether the memory a run left behind is its own.
+//!
+//! A pass can leave memory resident: ONNX Runtime's arena keeps the activations of the
+//! largest shape it ran, which for a model with dynamic dimensions (an OCR detector fed
+//! a larger image) is far more than its weights. What the process's RSS grew across a
+//! run is that run's only when nothing else started or was in progress meanwhile
+//! (another run, a load, a conversion); then it is added to the model's learned
+//! footprint.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+/// Work (runs, loads, conversions) in progress in the process.
+pub struct WorkMeter {
+    started: AtomicU64,
+    active: AtomicUsize,
+}
+
+impl Default for WorkMeter {
+    fn default() -> Self {
+        WorkMeter::new()
+    }
+}
+
+/// One-time preparations (conversions) in progress: a load measured while one runs
+/// cannot tell its memory from the conversion's.
+pub static PREPARING: WorkMeter = WorkMeter::new();
+
+/// The process's meter.
+pub static WORK: WorkMeter = WorkMeter::new();
+
+impl WorkMeter {
+    pub const fn new() -> WorkMeter {
+        WorkMeter { started: AtomicU64::new(0), active: AtomicUsize::new(0) }
+    }
+
+    /// Watches the meter from now on (see [`Watch::undisturbed`]).
+    pub fn watch(&self) -> Watch<'_> {
+        let started = self.started.load(Ordering::SeqCst);
+        Watch { meter: self, started, idle: self.active.load(Ordering::SeqCst) == 0 }
+    }
+
+    /// Starts a piece of work; it ends when the returned guard is dropped.
+    pub fn begin(&self) -> Work<'_> {
+        let ticket = self.started.fetch_add(1, Ordering::SeqCst) + 1;
+        let alone = self.active.fetch_add(1, Ordering::SeqCst) == 0;
+        // Work that did not start alone can never be measured: no RSS reading for it.
+        let before = alone.then(crate::memory::process_rss_bytes);
+        Work { meter: self, ticket, before }
+    }
+}
+
+/// A look at a meter from one moment on: did any of its work run since?
+pub struct Watch<'a> {
+    meter: &'a WorkMeter,
+    started: u64,
+    idle: bool,
+}
+
+impl Watch<'_> {
+    /// No work of the meter was in progress at the start nor started since.
+    pub fn undisturbed(&self) -> bool {
+        self.idle
+            && self.meter.started.load(Ordering::SeqCst) == self.started
+            && self.meter.active.load(Ordering::SeqCst) == 0
+    }
+}
+
+pub struct Work<'a> {
+    meter: &'a WorkMeter,
+    ticket: u64,
+    /// RSS at the start, read only when the work started alone.
+    before: Option<u64>,
+}
+
+impl Work<'_> {
+    /// What RSS grew since `begin`, less `held` bytes the work still holds (its
+    /// outputs), if no other work was in progress or started meanwhile; `None` when
+    /// the growth cannot be attributed.
+    pub fn grew(&self, held: u64) -> Option<u64> {
+        let still_alone = self.meter.started.load(Ordering::SeqCst) == self.ticket
+            && self.meter.active.load(Ordering::SeqCst) == 1;
+        let before = self.before.filter(|_| still_alone)?;
+        Some(crate::memory::process_rss_bytes().saturating_sub(before).saturating_sub(held))
+    }
+}
+
+impl Drop for Work<'_> {
+    fn drop(&mut self) {
+        self.meter.active.fetch_sub(1, Ordering::SeqCst);
+    }
+}

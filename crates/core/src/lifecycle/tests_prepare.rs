@@ -1,0 +1,125 @@
+//! One-time preparations (conversions): run in the background when the host is quiet
+//! and they fit, never a condition for serving, never counted as what a model needs.
+
+use super::tests::{Harness, MB};
+use super::*;
+use crate::{backend::Weights, error::ErrorKind};
+
+fn prepare(h: &mut Harness, name: &str, peak_mb: u64) {
+    let id = h.id(name);
+    h.s.set_preparations(id, vec![Preparation { weights: Weights::Mapped, peak: peak_mb * MB }]);
+}
+
+fn prepares(actions: &[Action]) -> Vec<ModelId> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::StartPrepare { model, .. } => Some(*model),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_conversion_larger_than_the_budget_never_stops_the_model_from_serving() {
+    // The case: 300 MiB budget, a model of ~120 MiB whose conversion peaks at
+    // ~290 MiB. The model is not refused "forever": it loads without the conversion.
+    let mut h = Harness::new(300, &[("m", 120)]);
+    prepare(&mut h, "m", 400);
+    let (req, a) = h.submit("m");
+    let a = h.settle(a);
+    assert!(prepares(&a).is_empty(), "the conversion does not fit: not started");
+    assert_eq!(h.outcome(req), Some(Ok(())), "served without it");
+    assert_eq!(h.loads(), ["m"]);
+    h.finish(req);
+    assert!(prepares(&h.log).is_empty(), "and never started while it cannot fit");
+}
+
+#[test]
+fn a_conversion_runs_only_on_a_quiet_host_and_when_it_fits_without_evicting() {
+    let mut h = Harness::new(1000, &[("a", 300), ("b", 300)]);
+    prepare(&mut h, "b", 600);
+    // Quiet and it fits: it starts at once, its peak accounted while it runs.
+    let a = h.tick();
+    assert_eq!(prepares(&a), [h.id("b")]);
+    assert_eq!(h.s.accounted(&Device::Cpu), 600 * MB);
+    // A request meanwhile is not held up by it: `a` fits beside it.
+    let (req, a) = h.submit("a");
+    h.settle(a);
+    assert!(h.outcome(req).is_some_and(|r| r.is_ok()), "served while the conversion runs");
+    h.finish(req);
+    let a = h.feed(Event::PrepareFinished {
+        model: h.id("b"),
+        weights: Weights::Mapped,
+        result: Prepared::Done { steady: Some(250 * MB), peak: Some(260 * MB) },
+    });
+    assert!(prepares(&a).is_empty(), "nothing left to prepare");
+    assert_eq!(h.s.accounted(&Device::Cpu), 300 * MB, "the conversion's peak is given back");
+    assert_eq!(
+        h.s.slot(h.id("b")).policy.estimate_steady,
+        Some(250 * MB),
+        "loads now cost the prepared form"
+    );
+}
+
+#[test]
+fn a_conversion_waits_for_room_rather_than_evicting_for_it() {
+    let mut h = Harness::new(1000, &[("a", 300), ("b", 300)]);
+    let (req, a) = h.submit("a");
+    h.settle(a);
+    h.finish(req);
+    prepare(&mut h, "b", 800);
+    let a = h.tick();
+    assert!(prepares(&a).is_empty(), "700 MB free: no room, and nothing is evicted for it");
+    assert!(h.evictions().is_empty());
+    // Once `a` leaves on its own (gc), the conversion fits and runs.
+    let a = h.feed(Event::Collect {
+        req: 99,
+        except: None,
+        include_pinned: false,
+        reason: UnloadReason::Pressure,
+    });
+    let a = h.settle(a);
+    assert_eq!(prepares(&a), [h.id("b")]);
+}
+
+#[test]
+fn a_conversion_does_not_start_while_a_model_waits_to_load() {
+    let mut h = Harness::new(1000, &[("a", 300), ("b", 300)]);
+    prepare(&mut h, "b", 200);
+    let (req, a) = h.submit("a");
+    assert!(a.iter().any(|x| matches!(x, Action::StartLoad { .. })));
+    assert!(prepares(&a).is_empty(), "a load is in progress");
+    let a = h.settle(a);
+    assert_eq!(prepares(&a), [h.id("b")], "the host is quiet again once `a` loaded");
+    h.finish(req);
+}
+
+#[test]
+fn a_failed_conversion_is_not_retried_and_the_model_keeps_serving() {
+    let mut h = Harness::new(1000, &[("a", 300)]);
+    prepare(&mut h, "a", 400);
+    let a = h.tick();
+    assert_eq!(prepares(&a), [0]);
+    let a = h.feed(Event::PrepareFinished {
+        model: 0,
+        weights: Weights::Mapped,
+        result: Prepared::Failed("disk full".into()),
+    });
+    assert!(prepares(&a).is_empty());
+    h.at(10.0);
+    assert!(prepares(&h.tick()).is_empty(), "not tried again");
+    h.call("a").expect("served");
+    assert_eq!(h.s.slot(0).last_error, None, "a successful load clears the note");
+}
+
+#[test]
+fn a_model_that_can_never_fit_is_refused_by_its_own_needs_not_its_conversions() {
+    let mut h = Harness::new(300, &[("big", 400)]);
+    prepare(&mut h, "big", 1000);
+    let (req, a) = h.submit("big");
+    h.settle(a);
+    let e = h.outcome(req).expect("answered").expect_err("refused");
+    assert_eq!(e.kind, ErrorKind::InsufficientMemory);
+    assert!(e.message.contains("needs 400.0 MiB"), "{}", e.message);
+}

@@ -1,0 +1,229 @@
+//! What the actor starts on blocking threads: a batch run, a load (measured), an
+//! unload (audited: it must give back what its load took). Each reports back to the
+//! actor with a [`Command`] when it ends.
+
+use std::time::{Duration, Instant};
+
+use super::{actor::Actor, Command, Loaded};
+use crate::{
+    backend::{Device, LoadError, LoadSpec, Weights},
+    events::{metric, EventKind},
+    execution::{self, BatchEnd, Job},
+    lifecycle::{LoadMeasurement, ModelId, Prepared, RequestId, UnloadReason},
+    memory::{self, MemoryProbe},
+    units::format_bytes,
+};
+
+impl Actor {
+    pub(super) fn start_run(&mut self, model: ModelId, reqs: Vec<RequestId>, max_rows: u32) {
+        let jobs: Vec<(RequestId, Job)> =
+            reqs.iter().filter_map(|r| self.jobs.remove(r).map(|j| (*r, j))).collect();
+        let name = self.scheduler.slot(model).policy.name.clone();
+        for (_, job) in &jobs {
+            metrics::histogram!(metric::QUEUE_WAIT, "model" => name.clone())
+                .record(job.submitted.elapsed().as_secs_f64());
+        }
+        let tx = self.tx.clone();
+        let Some(instance) = self.loaded.get(&model).map(|l| l.instance.clone()) else {
+            tracing::error!(model, "dispatched to a model that is not loaded");
+            let _ = tx.send(Command::RunDone {
+                model,
+                reqs,
+                end: BatchEnd::done(),
+                took: Duration::ZERO,
+                grew: None,
+            });
+            return;
+        };
+        let name = self.scheduler.slot(model).policy.name.clone();
+        tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            let work = execution::WORK.begin();
+            let (end, grew) = if jobs.is_empty() {
+                (BatchEnd::done(), None)
+            } else {
+                execution::run_batch(instance.as_ref(), &name, jobs, max_rows, &work)
+            };
+            drop(work);
+            // Our reference goes before the actor hears of the end, so an unload that
+            // follows holds the last one and really frees the model.
+            drop(instance);
+            let _ = tx.send(Command::RunDone { model, reqs, end, took: started.elapsed(), grew });
+        });
+    }
+
+    pub(super) fn start_unload(&mut self, model: ModelId, device: Device, reason: UnloadReason, bytes: u64) {
+        let loaded = self.loaded.remove(&model);
+        let name = self.scheduler.slot(model).policy.name.clone();
+        let tx = self.tx.clone();
+        let gpu = self.device_probe(&device);
+        let audit = self.audit.clone();
+        let reason_name = match reason {
+            UnloadReason::Evicted => "evicted",
+            UnloadReason::Idle => "idle",
+            UnloadReason::Requested => "requested",
+            UnloadReason::Pressure => "pressure",
+            UnloadReason::Shutdown => "shutdown",
+            UnloadReason::Failed => "failed",
+        };
+        metrics::counter!(metric::UNLOADS, "model" => name.clone(), "reason" => reason_name).increment(1);
+        self.events.record(&name, EventKind::Unloaded, reason_name, Some(bytes));
+        tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            let before = memory::process_rss_bytes();
+            let gpu_before = gpu.as_ref().map(|p| p.snapshot().process_bytes);
+            let took = loaded.as_ref().and_then(|l| l.grew);
+            drop(loaded);
+            memory::trim_heap();
+            if let (Some(probe), Some(held)) = (&gpu, gpu_before) {
+                wait_for_gpu_release(probe.as_ref(), held, bytes);
+            }
+            let mut freed = before.saturating_sub(memory::process_rss_bytes());
+            // The memory a load took must come back: if not, trim once more, then say so.
+            let short = |freed: u64| took.is_some_and(|t| freed.saturating_add((16 << 20).max(t / 10)) < t);
+            if short(freed) {
+                memory::trim_heap();
+                freed = before.saturating_sub(memory::process_rss_bytes());
+            }
+            let mut a = audit.lock().unwrap_or_else(|p| p.into_inner());
+            a.unloads += 1;
+            if let (true, Some(t)) = (short(freed), took) {
+                a.short += 1;
+                a.last_short = Some((name.clone(), t, freed));
+                tracing::warn!(model = %name, load_took_bytes = t, freed_bytes = freed, "the unload gave back less memory than the load took");
+            }
+            drop(a);
+            tracing::info!(
+                model = %name,
+                %device,
+                reason = ?reason,
+                bytes,
+                freed_bytes = freed,
+                duration_ms = started.elapsed().as_millis() as u64,
+                "model unloaded ({:?}, {} accounted, {} returned to the OS)",
+                reason,
+                format_bytes(bytes),
+                format_bytes(freed)
+            );
+            let _ = tx.send(Command::UnloadDone { model });
+        });
+    }
+
+    /// Loads the model on a blocking thread, measured; `promote`: a second instance in its
+    /// prepacked form, for a model that keeps serving meanwhile.
+    pub(super) fn start_load(&mut self, model: ModelId, device: Device, promote: bool) {
+        let (backend, path, weights) = self.backends[model].clone();
+        let weights = if promote { Weights::Prepacked } else { weights };
+        let form = match self.scheduler.is_prepared(model, weights) {
+            true => weights.as_str(),
+            false => "onnx",
+        };
+        let policy = &self.scheduler.slot(model).policy;
+        let spec = LoadSpec {
+            name: policy.name.clone(),
+            path,
+            device,
+            intra_op_threads: self.intra_op_threads,
+            instances: policy.max_concurrency.max(1) as usize,
+            weights,
+        };
+        tracing::debug!(model = %spec.name, device = %spec.device, "loading");
+        let tx = self.tx.clone();
+        let probe = self.probe.clone();
+        tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            // A run meanwhile must not take the load's memory for its own.
+            let _work = execution::WORK.begin();
+            let panicked = || LoadError::Failed(format!("the backend panicked loading '{}'", spec.name));
+            // A preparation running beside the load moves RSS by hundreds of MB: what the
+            // load took is then not measurable.
+            let preparations = execution::PREPARING.watch();
+            memory::trim_heap();
+            let before = probe.process_bytes().filter(|_| preparations.undisturbed());
+            probe.reset_peak();
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.load(&spec)))
+                .unwrap_or_else(|_| Err(panicked()));
+            let before = before.filter(|_| preparations.undisturbed());
+            let (after, peak) = (probe.process_bytes(), probe.peak_process_bytes());
+            let grew =
+                |to: Option<u64>| to.zip(before).and_then(|(t, b)| t.checked_sub(b)).filter(|d| *d > 0);
+            let result = result.map(|m| {
+                let measured = LoadMeasurement {
+                    steady: grew(after).map(|s| s + m.working_bytes() + m.mapped_bytes()),
+                    peak: grew(peak),
+                };
+                (Loaded { instance: m, grew: grew(after) }, measured)
+            });
+            let took = started.elapsed();
+            let _ = tx.send(if promote {
+                Command::PromoteDone { model, result }
+            } else {
+                Command::LoadDone { model, result, took, form }
+            });
+        });
+    }
+}
+
+impl Actor {
+    /// Does a model's one-time preparation on its own thread at the lowest CPU priority,
+    /// so requests keep the cores; reports what the model's loads cost from now on.
+    pub(super) fn start_prepare(&mut self, model: ModelId, weights: Weights) {
+        let (backend, path, load_weights) = self.backends[model].clone();
+        let policy = &self.scheduler.slot(model).policy;
+        let spec = LoadSpec {
+            name: policy.name.clone(),
+            path,
+            device: Device::Cpu,
+            intra_op_threads: self.intra_op_threads,
+            instances: 1,
+            weights,
+        };
+        let tx = self.tx.clone();
+        let spawned = std::thread::Builder::new().name("snooze-prepare".into()).spawn(move || {
+            memory::lower_thread_priority();
+            let started = Instant::now();
+            let _work = execution::WORK.begin();
+            let _preparing = execution::PREPARING.begin();
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.prepare(&spec)))
+                .unwrap_or_else(|_| Err(LoadError::Failed(format!("the backend panicked preparing '{}'", spec.name))));
+            memory::trim_heap();
+            let result = match result {
+                Ok(()) => {
+                    tracing::info!(model = %spec.name, weights = weights.as_str(), duration_ms = started.elapsed().as_millis() as u64, "prepared in the background");
+                    let e = (weights == load_weights).then(|| backend.estimate(&spec.path, weights));
+                    Prepared::Done {
+                        steady: e.as_ref().and_then(|e| e.steady_bytes),
+                        peak: e.and_then(|e| e.peak_bytes),
+                    }
+                }
+                Err(e) => Prepared::Failed(e.to_string()),
+            };
+            let _ = tx.send(Command::PrepareDone { model, weights, result });
+        });
+        if let Err(e) = spawned {
+            let result = Prepared::Failed(format!("cannot start a thread: {e}"));
+            let _ = self.tx.send(Command::PrepareDone { model, weights, result });
+        }
+    }
+}
+
+/// GPU drivers free asynchronously: wait (bounded) until NVML shows most of the model's
+/// memory gone, so the next load's admission sees the truth.
+fn wait_for_gpu_release(probe: &dyn MemoryProbe, held_before: u64, bytes: u64) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        let released = held_before.saturating_sub(probe.snapshot().process_bytes);
+        if released >= bytes / 10 * 9 {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    tracing::warn!(bytes, "the GPU driver did not report the model's memory free within 5s");
+}
+
+pub(super) async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await,
+        None => std::future::pending().await,
+    }
+}

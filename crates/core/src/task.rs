@@ -1,0 +1,45 @@
+//! Work that advances in slices.
+//!
+//! A task job — a transcription, the crops of an OCR page — is many runs of one model:
+//! an encoder pass, then decoder steps; a batch of crops, then the next. Run whole, a
+//! two-second transcription would hold a core while a one-millisecond request waits
+//! behind it. So the scheduler runs such a job one *slice* at a time and puts it back in
+//! its model's queue between slices: other models' requests run in between, and jobs of
+//! the same model that are queued together share the next slice (steps of different
+//! transcriptions batched into one decoder run).
+//!
+//! The core knows nothing of what a slice does: a task crate implements [`TaskJob`] for
+//! its job state and supplies the [`SliceRunner`] that advances a batch of them on a
+//! loaded model (reaching its own model type through `Any` when it needs one).
+
+use std::any::Any;
+
+use crate::backend::{InferError, LoadedModel};
+
+/// How far a slice took a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// More slices to run: the job goes back in its model's queue.
+    Continue,
+    /// Finished: the job is handed back to its caller, which reads its result.
+    Done,
+}
+
+/// Advances every job of a batch by one slice on `model`, in place, and returns one
+/// result per job, in order. A job whose slice failed is left as it was before it, so
+/// the slice can be run again (after an out-of-memory eviction, say).
+pub type SliceRunner = fn(&dyn LoadedModel, &mut [&mut dyn TaskJob]) -> Vec<Result<Progress, InferError>>;
+
+/// The state of a job that runs in slices.
+pub trait TaskJob: Any + Send {
+    /// Jobs with equal keys may share a slice; equal keys imply the same runner.
+    fn batch_key(&self) -> u64;
+    /// Rows the job adds to a slice, counted against the model's `max_batch_size`.
+    fn rows(&self) -> u32 {
+        1
+    }
+    /// Bytes of request data the job holds (charged to request memory).
+    fn byte_size(&self) -> usize;
+    /// The function that advances a batch of such jobs.
+    fn runner(&self) -> SliceRunner;
+}

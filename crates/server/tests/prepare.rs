@@ -1,0 +1,135 @@
+//! One-time conversions never stand between a request and its model: a fresh state dir
+//! is filled in the background while the server is idle, or ahead of time by `snooze
+//! prepare`; a model whose conversion cannot fit the budget is served from its `.onnx`
+//! instead of being refused as if it could never fit.
+
+mod common;
+
+use std::{path::Path, process::Command};
+
+use common::*;
+use serde_json::{json, Value};
+
+fn config(server: &str) -> String {
+    let dir = models_dir();
+    format!(
+        "[server]\n{server}keep_alive = \"-1\"\n\
+         [models.small]\npath = \"{0}/mlp-10m\"\nweights = \"mapped\"\n\
+         [models.m1]\npath = \"{0}/mlp-100m-1\"\nweights = \"mapped\"\n",
+        dir.display()
+    )
+}
+
+/// The ORT-format copies in a state dir.
+fn converted(state: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(state.join("ort-cache")) else { return Vec::new() };
+    let mut names: Vec<String> = entries
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".ort"))
+        .collect();
+    names.sort();
+    names
+}
+
+fn fresh_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("snooze-prepare-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+fn call(s: &Server, model: &str, reference_of: &str) {
+    let r = reference(reference_of);
+    let (status, body, _) = s.post(&format!("/v2/models/{model}/infer"), &infer_body(&r));
+    assert_eq!(status, 200, "{model}: {body}");
+    let diff = max_abs_diff(&floats(&body["outputs"][0]["data"]), &r.output);
+    assert!(diff <= 1e-4, "{model}: output differs from numpy by {diff}");
+}
+
+#[test]
+fn snooze_prepare_fills_a_fresh_state_dir_and_a_second_run_has_nothing_to_do() {
+    let dir = fresh_dir("cli");
+    let cfg = dir.join("snooze.toml");
+    std::fs::write(&cfg, config("")).expect("config");
+    let state = dir.join("state");
+    let run = || {
+        let out = Command::new(env!("CARGO_BIN_EXE_snooze"))
+            .arg("prepare")
+            .arg("--config")
+            .arg(&cfg)
+            .arg("--state-dir")
+            .arg(&state)
+            .env("ORT_DYLIB_PATH", ort_dylib())
+            .output()
+            .expect("run snooze prepare");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+        stdout
+    };
+    let first = run();
+    assert!(first.contains("small: prepared (mapped)") && first.contains("m1: prepared (mapped)"), "{first}");
+    assert_eq!(converted(&state).len(), 2, "one ORT-format copy per model");
+    let second = run();
+    assert!(
+        second.contains("small: nothing to prepare") && second.contains("m1: nothing to prepare"),
+        "{second}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_idle_server_converts_a_fresh_state_dir_in_the_background_and_serves_meanwhile() {
+    let s = Server::start("prepare-bg", &config("host_memory_limit = \"2GiB\"\n"), &[]);
+    let state = s.dir.join("state");
+    // Served at once, whatever the background work is doing.
+    call(&s, "m1", "mlp-100m-1");
+    s.wait_for("both models converted", |s| {
+        let (_, events) = s.get("/admin/events");
+        let prepared =
+            events["events"].as_array().into_iter().flatten().filter(|e| e["kind"] == "prepared").count();
+        prepared == 2
+    });
+    assert_eq!(converted(&state).len(), 2, "{:?}", converted(&state));
+    // The next load of a converted model takes the mapped copy.
+    let (status, body, _) = s.post("/v2/repository/models/small/unload", &json!({}));
+    assert_eq!(status, 200, "{body}");
+    call(&s, "small", "mlp-10m");
+    let (_, events) = s.get("/admin/events");
+    let loads: Vec<&Value> = events["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter(|e| e["kind"] == "loaded" && e["model"] == "small")
+        .collect();
+    assert_eq!(loads.last().map(|e| &e["reason"]), Some(&json!("mapped")), "{events}");
+    assert!(
+        s.log_lines("\"level\":\"WARN\"").is_empty(),
+        "nothing is wrong: no warning {:?}",
+        s.log_lines("WARN")
+    );
+}
+
+#[test]
+fn a_model_whose_conversion_cannot_fit_is_served_from_its_onnx() {
+    // The measured case: 300 MiB for the whole process, a 100 MB model (~125 MiB from its
+    // .onnx) whose conversion peaks near 290 MiB. It used to be refused "forever".
+    let s = Server::start(
+        "prepare-tight",
+        &config("host_memory_limit = \"300MiB\"\nheadroom = \"16MiB\"\n"),
+        &[],
+    );
+    for _ in 0..5 {
+        call(&s, "m1", "mlp-100m-1");
+    }
+    assert_eq!(s.model("m1")["state"], "ready");
+    assert!(
+        converted(&s.dir.join("state")).iter().all(|n| !n.starts_with("mlp-100m-1")),
+        "no room to convert it"
+    );
+    let (_, events) = s.get("/admin/events");
+    assert!(
+        !events["events"].as_array().into_iter().flatten().any(|e| e["kind"] == "refused"),
+        "nothing refused: {events}"
+    );
+}
