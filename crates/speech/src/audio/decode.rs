@@ -1,0 +1,345 @@
+//! One audio track decoded packet by packet into mono samples at its own rate, with
+//! its length counted and limited as it goes.
+//!
+//! Symphonia finds the container by its content (no file name needed) and decodes
+//! WAV (integer, float, A-law, mu-law PCM; WAVE_FORMAT_EXTENSIBLE), FLAC, MP3 and
+//! OGG/Vorbis. Around it, this file holds the rules symphonia leaves to its caller:
+//!
+//! * **Counting.** Nothing is sized from a header: the duration is the number of
+//!   frames decoded so far, and `max_seconds` is checked after every packet, so an
+//!   hour-long upload under a ten-minute limit costs ten minutes of decoding.
+//! * **Damage.** A packet that fails to decode is skipped (one glitch in a long
+//!   recording should not lose the whole transcript). When the container itself
+//!   stops making sense, or the file ends mid-frame, decoding ends there: the audio
+//!   decoded so far is kept and marked `damaged`; if nothing at all was decoded, the
+//!   upload is refused as corrupt.
+//! * **Panics.** Symphonia 0.5 can panic on crafted input (arithmetic overflow,
+//!   slicing past a buffer); every call into it runs under `catch_unwind`, and a
+//!   panic is treated as corrupt data from that point on.
+
+use std::{
+    io::Cursor,
+    panic::{catch_unwind, AssertUnwindSafe},
+};
+
+use bytes::Bytes;
+use symphonia::core::{
+    audio::{AudioBuffer, AudioBufferRef, Signal},
+    codecs::{Decoder, DecoderOptions, CODEC_TYPE_NULL},
+    conv::IntoSample,
+    errors::Error as SymphoniaError,
+    formats::{FormatOptions, FormatReader},
+    io::{MediaSource, MediaSourceStream},
+    meta::{Limit, MetadataOptions},
+    probe::Hint,
+    sample::Sample,
+};
+
+use super::{riff, vorbis, AudioError, AudioLimits, SourceFormat, MAX_SOURCE_RATE, MIN_SOURCE_RATE};
+
+/// Tags and cover art are read by symphonia while it looks for the audio; they are
+/// not used here, so each may take little memory.
+const METADATA_LIMIT_BYTES: usize = 64 * 1024;
+
+/// A track being decoded, one packet per call.
+pub(crate) struct TrackDecoder {
+    format: Box<dyn FormatReader>,
+    decoder: Box<dyn Decoder>,
+    track_id: u32,
+    pub source: SourceFormat,
+    limits: AudioLimits,
+    /// The length the header declares, if any: only compared with the count at the
+    /// end, to tell a cut file from a complete one.
+    declared_frames: Option<u64>,
+    frames: u64,
+    skipped_packets: u64,
+    pub damaged: bool,
+    finished: bool,
+}
+
+/// The container, by its magic bytes, and whether they were there (an MP3 without an
+/// ID3 tag starts with any frame's sync word, so it is only a guess).
+fn container_of(bytes: &[u8]) -> (&'static str, bool) {
+    match bytes.get(..4) {
+        Some(b"RIFF") => ("WAV", true),
+        Some(b"fLaC") => ("FLAC", true),
+        Some(b"OggS") => ("OGG", true),
+        _ => ("MP3", bytes.starts_with(b"ID3")),
+    }
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    let text = payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "no message".into());
+    format!("the decoder failed on malformed data ({text})")
+}
+
+fn check_rate(rate: u32) -> Result<(), AudioError> {
+    if rate == 0 {
+        return Err(AudioError::AbsurdParameters("the audio declares a sample rate of 0 Hz".into()));
+    }
+    if !(MIN_SOURCE_RATE..=MAX_SOURCE_RATE).contains(&rate) {
+        return Err(AudioError::AbsurdParameters(format!(
+            "the audio's sample rate of {rate} Hz is outside the {MIN_SOURCE_RATE}-{MAX_SOURCE_RATE} Hz \
+             this server resamples from"
+        )));
+    }
+    Ok(())
+}
+
+impl TrackDecoder {
+    /// Finds the container and the first audio track, and checks what it declares.
+    pub fn open(bytes: Bytes, limits: &AudioLimits) -> Result<TrackDecoder, AudioError> {
+        if bytes.is_empty() {
+            return Err(AudioError::NoData);
+        }
+        let (container, recognised) = container_of(&bytes);
+        let mut wav_format = None;
+        let mut truncated = false;
+        let media: Box<dyn MediaSource> = if riff::is_wav(&bytes) {
+            let checked = riff::check(&bytes)?;
+            wav_format = Some(checked.format);
+            truncated = checked.truncated;
+            Box::new(checked.source)
+        } else {
+            if container == "OGG" {
+                vorbis::check(&bytes)?;
+            }
+            Box::new(Cursor::new(bytes))
+        };
+        let stream = MediaSourceStream::new(media, Default::default());
+        let format_options = FormatOptions { enable_gapless: true, ..Default::default() };
+        let metadata_options = MetadataOptions {
+            limit_metadata_bytes: Limit::Maximum(METADATA_LIMIT_BYTES),
+            limit_visual_bytes: Limit::Maximum(METADATA_LIMIT_BYTES),
+        };
+        let probed = catch_unwind(AssertUnwindSafe(|| {
+            symphonia::default::get_probe().format(&Hint::new(), stream, &format_options, &metadata_options)
+        }))
+        .map_err(|payload| AudioError::Corrupt(panic_message(payload.as_ref())))?;
+        let format = match probed {
+            Ok(probed) => probed.format,
+            Err(SymphoniaError::Unsupported(what)) => {
+                return Err(match wav_format {
+                    Some(wav) if !riff::is_pcm(wav.format_tag) => {
+                        AudioError::UnsupportedCodec { container, codec: riff::format_name(wav.format_tag) }
+                    }
+                    Some(_) => AudioError::Unsupported(format!(
+                        "its WAV header is not one this server reads ({what})"
+                    )),
+                    None => AudioError::UnknownFormat,
+                })
+            }
+            Err(SymphoniaError::IoError(_)) if recognised => {
+                return Err(AudioError::Corrupt(format!(
+                    "the {container} file ends before its audio begins"
+                )));
+            }
+            Err(SymphoniaError::IoError(_)) => return Err(AudioError::UnknownFormat),
+            Err(e) => return Err(AudioError::Corrupt(format!("the {container} header cannot be read: {e}"))),
+        };
+        let Some(track) = format.tracks().iter().find(|t| t.codec_params.codec != CODEC_TYPE_NULL) else {
+            return Err(AudioError::NoAudioTrack { container });
+        };
+        let params = track.codec_params.clone();
+        let track_id = track.id;
+        if let Some(rate) = params.sample_rate {
+            check_rate(rate)?;
+        }
+        if params.channels.is_some_and(|c| c.count() == 0) {
+            return Err(AudioError::AbsurdParameters(format!("the {container} audio declares 0 channels")));
+        }
+        let registry = symphonia::default::get_codecs();
+        let codec = match (registry.get_codec(params.codec), wav_format) {
+            (Some(descriptor), _) => descriptor.long_name.to_string(),
+            (None, Some(wav)) => riff::format_name(wav.format_tag),
+            (None, None) => format!("codec {}", params.codec),
+        };
+        let made = catch_unwind(AssertUnwindSafe(|| registry.make(&params, &DecoderOptions::default())))
+            .map_err(|payload| AudioError::Corrupt(panic_message(payload.as_ref())))?;
+        let decoder = match made {
+            Ok(decoder) => decoder,
+            Err(SymphoniaError::Unsupported(_)) => {
+                return Err(AudioError::UnsupportedCodec { container, codec });
+            }
+            Err(e) => {
+                return Err(AudioError::Corrupt(format!("the {container} codec setup is invalid: {e}")))
+            }
+        };
+        let declared_frames = params.n_frames;
+        let source = SourceFormat {
+            container,
+            codec,
+            sample_rate: params.sample_rate.unwrap_or(0),
+            channels: params.channels.map(|c| c.count()).unwrap_or(0),
+        };
+        Ok(TrackDecoder {
+            format,
+            decoder,
+            track_id,
+            source,
+            limits: limits.clone(),
+            declared_frames,
+            frames: 0,
+            skipped_packets: 0,
+            damaged: truncated,
+            finished: false,
+        })
+    }
+
+    /// Replaces `mono` with the next packet's samples, downmixed; `false` at the end.
+    /// The sample rate is `self.source.sample_rate`, fixed by the first packet.
+    pub fn next_packet(&mut self, mono: &mut Vec<f32>) -> Result<bool, AudioError> {
+        mono.clear();
+        while !self.finished && mono.is_empty() {
+            self.step(mono)?;
+        }
+        if self.finished && self.declared_frames.is_some_and(|declared| self.frames < declared) {
+            self.damaged = true;
+        }
+        if self.finished && self.frames == 0 {
+            return Err(match (self.skipped_packets, self.declared_frames) {
+                (0, Some(declared)) if declared > 0 => AudioError::Corrupt(format!(
+                    "its header announces {declared} samples but none of them could be read"
+                )),
+                (0, _) => AudioError::Empty,
+                (skipped, _) => AudioError::Corrupt(format!(
+                    "none of its {skipped} {} packets could be decoded",
+                    self.source.codec
+                )),
+            });
+        }
+        Ok(!mono.is_empty())
+    }
+
+    /// Reads and decodes one packet; an empty `mono` means nothing came out of it.
+    fn step(&mut self, mono: &mut Vec<f32>) -> Result<(), AudioError> {
+        let packet = match catch_unwind(AssertUnwindSafe(|| self.format.next_packet())) {
+            Ok(Ok(packet)) => packet,
+            Ok(Err(SymphoniaError::IoError(e))) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                self.finished = true;
+                return Ok(());
+            }
+            // A second chained stream (OGG) would need a new decoder: the first one is the audio.
+            Ok(Err(SymphoniaError::ResetRequired)) => {
+                self.finished = true;
+                return Ok(());
+            }
+            Ok(Err(e)) => return self.stop_at_damage(e.to_string()),
+            Err(payload) => return self.stop_at_damage(panic_message(payload.as_ref())),
+        };
+        if packet.track_id() != self.track_id {
+            return Ok(());
+        }
+        let decoder = &mut self.decoder;
+        let decoded = catch_unwind(AssertUnwindSafe(|| match decoder.decode(&packet) {
+            Ok(buffer) => Ok((buffer.spec().rate, buffer.spec().channels.count(), downmix(buffer, mono))),
+            Err(e) => Err(e),
+        }));
+        let (rate, channels) = match decoded {
+            Ok(Ok((rate, channels, ()))) => (rate, channels),
+            Ok(Err(SymphoniaError::DecodeError(_) | SymphoniaError::IoError(_))) => {
+                self.skipped_packets += 1;
+                self.damaged = true;
+                mono.clear();
+                return Ok(());
+            }
+            Ok(Err(SymphoniaError::Unsupported(what))) if self.frames == 0 => {
+                return Err(AudioError::UnsupportedCodec {
+                    container: self.source.container,
+                    codec: format!("{} ({what})", self.source.codec),
+                });
+            }
+            Ok(Err(e)) => {
+                mono.clear();
+                return self.stop_at_damage(e.to_string());
+            }
+            Err(payload) => {
+                mono.clear();
+                return self.stop_at_damage(panic_message(payload.as_ref()));
+            }
+        };
+        if mono.is_empty() {
+            return Ok(());
+        }
+        self.accept(rate, channels, mono.len())
+    }
+
+    /// Checks a decoded packet's signal and counts it against the limit.
+    fn accept(&mut self, rate: u32, channels: usize, frames: usize) -> Result<(), AudioError> {
+        if channels == 0 {
+            return Err(AudioError::AbsurdParameters("the audio decodes to 0 channels".into()));
+        }
+        if self.frames == 0 {
+            check_rate(rate)?;
+            self.source.sample_rate = rate;
+            self.source.channels = channels;
+        } else if rate != self.source.sample_rate {
+            return Err(AudioError::Unsupported(format!(
+                "the sample rate changes from {} Hz to {rate} Hz in the middle of the audio",
+                self.source.sample_rate
+            )));
+        }
+        self.frames += frames as u64;
+        let seconds = self.frames as f64 / f64::from(rate);
+        if seconds > self.limits.max_seconds {
+            return Err(AudioError::TooLong {
+                limit_seconds: self.limits.max_seconds,
+                at_least_seconds: seconds,
+            });
+        }
+        Ok(())
+    }
+
+    /// Ends decoding where the data stops making sense, keeping what came before.
+    fn stop_at_damage(&mut self, what: String) -> Result<(), AudioError> {
+        if self.frames == 0 {
+            return Err(AudioError::Corrupt(what));
+        }
+        tracing::debug!(frames = self.frames, "audio decoding stopped at damaged data: {what}");
+        self.damaged = true;
+        self.finished = true;
+        Ok(())
+    }
+}
+
+/// Averages the channels of a decoded buffer into `mono`, as ffmpeg's downmix to one
+/// channel does for 16-bit output (each channel weighted 1/n). Non-finite samples
+/// (float WAV can hold them) become silence so one bad value cannot poison a window.
+fn downmix(buffer: AudioBufferRef<'_>, mono: &mut Vec<f32>) {
+    match buffer {
+        AudioBufferRef::U8(b) => mix(&b, mono),
+        AudioBufferRef::U16(b) => mix(&b, mono),
+        AudioBufferRef::U24(b) => mix(&b, mono),
+        AudioBufferRef::U32(b) => mix(&b, mono),
+        AudioBufferRef::S8(b) => mix(&b, mono),
+        AudioBufferRef::S16(b) => mix(&b, mono),
+        AudioBufferRef::S24(b) => mix(&b, mono),
+        AudioBufferRef::S32(b) => mix(&b, mono),
+        AudioBufferRef::F32(b) => mix(&b, mono),
+        AudioBufferRef::F64(b) => mix(&b, mono),
+    }
+}
+
+fn mix<S: Sample + IntoSample<f32>>(buffer: &AudioBuffer<S>, mono: &mut Vec<f32>) {
+    let channels = buffer.spec().channels.count();
+    let frames = buffer.frames();
+    mono.clear();
+    if channels == 0 {
+        return;
+    }
+    mono.resize(frames, 0.0);
+    for channel in 0..channels {
+        for (sum, &sample) in mono.iter_mut().zip(buffer.chan(channel)) {
+            *sum += sample.into_sample();
+        }
+    }
+    if channels > 1 {
+        let scale = 1.0 / channels as f32;
+        mono.iter_mut().for_each(|s| *s *= scale);
+    }
+    mono.iter_mut().filter(|s| !s.is_finite()).for_each(|s| *s = 0.0);
+}

@@ -1,0 +1,275 @@
+//! Real speech in every container, codec, sample width, rate and channel layout the
+//! decoder claims, each compared with the 16 kHz mono original it was made from.
+//!
+//! Metric: signal-to-noise ratio of the decoded samples against the original after the
+//! best alignment within a few samples (a codec's delay), and the decoded length
+//! against the original's. Bounds, with what was measured on these clips (see the
+//! report printed with `--nocapture`):
+//! lossless (FLAC, 16/24/32-bit and float WAV; sox writes 24/32-bit and 6-channel
+//! WAV as WAVE_FORMAT_EXTENSIBLE): > 200 dB (bit-exact), same length;
+//! A-law and mu-law WAV: > 25 dB (8-bit companding);
+//! 8-bit WAV: > 20 dB (8-bit quantisation of speech at its level);
+//! resampled through 8/22.05/44.1/48 kHz and back: > 25 dB (what is lost is the band
+//! the low rate cannot carry, or the 7.8-8 kHz edge);
+//! MP3 and Vorbis: > 15 dB waveform SNR (perceptual codecs do not keep the waveform;
+//! measured 20-25 dB). Vorbis and MP3 with a LAME/Info tag (written by `lame`) decode
+//! to exactly the original length, their encoder delay and padding trimmed. sox writes
+//! MP3 without that tag, so the encoder's delay (1105 samples at the source rate) and
+//! its padding to a whole frame stay in, as they do when ffmpeg decodes the same file
+//! (faster-whisper's `decode_audio` gives the same 115200 and 114103 samples): the
+//! length is then within the delay plus one frame.
+#![allow(clippy::unwrap_used)]
+
+mod audio_support;
+
+use audio_support::*;
+use snooze_speech::audio::{probe, AudioLimits, SAMPLE_RATE};
+
+struct Case {
+    name: &'static str,
+    file: &'static str,
+    sox_options: &'static [&'static str],
+    min_snr_db: f64,
+    max_length_error: usize,
+    max_lag: i64,
+}
+
+const CASES: &[Case] = &[
+    Case {
+        name: "FLAC",
+        file: "a.flac",
+        sox_options: &[],
+        min_snr_db: 200.0,
+        max_length_error: 0,
+        max_lag: 0,
+    },
+    Case {
+        name: "WAV s24",
+        file: "a24.wav",
+        sox_options: &["-b", "24"],
+        min_snr_db: 200.0,
+        max_length_error: 0,
+        max_lag: 0,
+    },
+    Case {
+        name: "WAV s32",
+        file: "a32.wav",
+        sox_options: &["-b", "32"],
+        min_snr_db: 200.0,
+        max_length_error: 0,
+        max_lag: 0,
+    },
+    Case {
+        name: "WAV f32",
+        file: "af32.wav",
+        sox_options: &["-e", "floating-point", "-b", "32"],
+        min_snr_db: 200.0,
+        max_length_error: 0,
+        max_lag: 0,
+    },
+    Case {
+        name: "WAV f64",
+        file: "af64.wav",
+        sox_options: &["-e", "floating-point", "-b", "64"],
+        min_snr_db: 200.0,
+        max_length_error: 0,
+        max_lag: 0,
+    },
+    Case {
+        name: "WAV u8",
+        file: "a8.wav",
+        sox_options: &["-D", "-b", "8"],
+        min_snr_db: 20.0,
+        max_length_error: 0,
+        max_lag: 0,
+    },
+    Case {
+        name: "WAV A-law",
+        file: "alaw.wav",
+        sox_options: &["-e", "a-law"],
+        min_snr_db: 25.0,
+        max_length_error: 0,
+        max_lag: 0,
+    },
+    Case {
+        name: "WAV mu-law",
+        file: "ulaw.wav",
+        sox_options: &["-e", "mu-law"],
+        min_snr_db: 25.0,
+        max_length_error: 0,
+        max_lag: 0,
+    },
+    Case {
+        name: "WAV 6 channels (extensible)",
+        file: "six.wav",
+        sox_options: &["-c", "6"],
+        min_snr_db: 200.0,
+        max_length_error: 0,
+        max_lag: 0,
+    },
+    Case {
+        name: "WAV stereo (same in both)",
+        file: "stereo.wav",
+        sox_options: &["-c", "2"],
+        min_snr_db: 200.0,
+        max_length_error: 0,
+        max_lag: 0,
+    },
+    Case {
+        name: "WAV 8 kHz",
+        file: "r8.wav",
+        sox_options: &["-r", "8000"],
+        min_snr_db: 10.0,
+        max_length_error: 1,
+        max_lag: 4,
+    },
+    Case {
+        name: "WAV 22.05 kHz",
+        file: "r22.wav",
+        sox_options: &["-r", "22050"],
+        min_snr_db: 25.0,
+        max_length_error: 1,
+        max_lag: 4,
+    },
+    Case {
+        name: "WAV 44.1 kHz",
+        file: "r44.wav",
+        sox_options: &["-r", "44100"],
+        min_snr_db: 25.0,
+        max_length_error: 1,
+        max_lag: 4,
+    },
+    Case {
+        name: "WAV 48 kHz stereo",
+        file: "r48s.wav",
+        sox_options: &["-r", "48000", "-c", "2"],
+        min_snr_db: 25.0,
+        max_length_error: 1,
+        max_lag: 4,
+    },
+    Case {
+        name: "FLAC 44.1 kHz 24-bit",
+        file: "r44.flac",
+        sox_options: &["-r", "44100", "-b", "24"],
+        min_snr_db: 25.0,
+        max_length_error: 1,
+        max_lag: 4,
+    },
+    Case {
+        name: "MP3 16 kHz",
+        file: "a.mp3",
+        sox_options: &["-C", "64"],
+        min_snr_db: 15.0,
+        max_length_error: 1105 + 1152,
+        max_lag: 1200,
+    },
+    Case {
+        name: "MP3 44.1 kHz stereo",
+        file: "r44s.mp3",
+        sox_options: &["-r", "44100", "-c", "2", "-C", "128"],
+        min_snr_db: 15.0,
+        max_length_error: 1105 + 1152,
+        max_lag: 1200,
+    },
+    Case {
+        name: "OGG/Vorbis 16 kHz",
+        file: "a.ogg",
+        sox_options: &["-C", "5"],
+        min_snr_db: 15.0,
+        max_length_error: 0,
+        max_lag: 0,
+    },
+    Case {
+        name: "OGG/Vorbis 48 kHz stereo",
+        file: "r48s.ogg",
+        sox_options: &["-r", "48000", "-c", "2"],
+        min_snr_db: 15.0,
+        max_length_error: 0,
+        max_lag: 0,
+    },
+];
+
+#[test]
+fn every_format_decodes_to_the_original_speech() {
+    let dir = tempdir();
+    let original = librivox("0870");
+    let reference = pcm16_samples(&original);
+    let mut failures = Vec::new();
+    for case in CASES {
+        let path = convert(&original, dir.path(), case.file, case.sox_options);
+        let decoded = decode(&path);
+        let (snr, lag) = aligned_snr_db(&reference, &decoded, case.max_lag);
+        let length_error = decoded.len().abs_diff(reference.len());
+        println!(
+            "{:28} {:>8} samples (original {}), SNR {:6.1} dB at lag {lag}",
+            case.name,
+            decoded.len(),
+            reference.len(),
+            snr
+        );
+        if snr < case.min_snr_db || length_error > case.max_length_error {
+            failures.push(format!(
+                "{}: SNR {snr:.1} dB (min {}), length off by {length_error} (max {})",
+                case.name, case.min_snr_db, case.max_length_error
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn mp3_with_a_lame_tag_decodes_gaplessly() {
+    let dir = tempdir();
+    let original = librivox("0890");
+    let reference = pcm16_samples(&original);
+    let stereo_44k = convert(&original, dir.path(), "s44.wav", &["-r", "44100", "-c", "2"]);
+    for (mp3, min_snr_db) in [
+        (lame(&original, dir.path(), "a.mp3", &["-b", "64"]), 15.0),
+        (lame(&stereo_44k, dir.path(), "s44.mp3", &[]), 15.0),
+    ] {
+        let decoded = decode(&mp3);
+        let (snr, lag) = aligned_snr_db(&reference, &decoded, 8);
+        println!(
+            "{}: {} samples (original {}), SNR {snr:.1} dB at lag {lag}",
+            mp3.display(),
+            decoded.len(),
+            reference.len()
+        );
+        assert_eq!(decoded.len(), reference.len(), "{}", mp3.display());
+        assert_eq!(lag, 0, "{}", mp3.display());
+        assert!(snr > min_snr_db, "{}: SNR {snr:.1} dB", mp3.display());
+    }
+}
+
+#[test]
+fn sixteen_bit_wav_at_16_khz_is_decoded_bit_exactly() {
+    let dir = tempdir();
+    let mut clips = librivox_all();
+    clips.push(beckett());
+    clips.push(goforward_wav(dir.path()));
+    for clip in clips {
+        let decoded = decode(&clip);
+        assert_eq!(decoded, pcm16_samples(&clip), "{}", clip.display());
+    }
+}
+
+#[test]
+fn probe_counts_what_the_stream_yields_and_names_the_source() {
+    let dir = tempdir();
+    let original = librivox("0880");
+    let stereo_44k = convert(&original, dir.path(), "s.flac", &["-r", "44100", "-c", "2"]);
+    let info = probe(read(&stereo_44k), &AudioLimits::default()).unwrap();
+    assert_eq!(info.source.container, "FLAC");
+    assert_eq!(info.source.sample_rate, 44_100);
+    assert_eq!(info.source.channels, 2);
+    assert!(!info.damaged);
+    assert_eq!(info.samples, decode(&stereo_44k).len() as u64);
+    let original_samples = pcm16_samples(&original).len() as f64;
+    assert!((info.duration_seconds() - original_samples / f64::from(SAMPLE_RATE)).abs() < 1e-3);
+
+    let mp3 = convert(&original, dir.path(), "a.mp3", &[]);
+    let info = probe(read(&mp3), &AudioLimits::default()).unwrap();
+    assert_eq!((info.source.container, info.source.sample_rate, info.source.channels), ("MP3", 16_000, 1));
+    let ogg = convert(&original, dir.path(), "a.ogg", &[]);
+    assert_eq!(probe(read(&ogg), &AudioLimits::default()).unwrap().source.container, "OGG");
+}
