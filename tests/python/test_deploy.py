@@ -573,7 +573,7 @@ class ConfigTest(unittest.TestCase):
 VENV_IN_IMAGE = "/opt/venv"
 MODELS_IN_IMAGE = "/opt/models"
 # Wheels the Makefile may install with --no-deps for the tests only (none in the image).
-TEST_ONLY_WHEELS = {"kserve"}
+TEST_ONLY_WHEELS = {"kserve", "useful-moonshine-onnx"}
 
 
 def dockerfile_stages(text: str) -> list:

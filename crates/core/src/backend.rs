@@ -259,3 +259,26 @@ pub trait Backend: Send + Sync + 'static {
     /// waits for a conversion. `estimate` says what the form a load would take costs.
     fn load(&self, spec: &LoadSpec) -> Result<Arc<dyn LoadedModel>, LoadError>;
 }
+
+/// Who does a model's one-time preparation (see [`Backend::prepare`]): this process, or
+/// another one. The server runs it in a child process, so its transient memory (2-3x
+/// the model) never mixes with the loads and runs the server measures, and all of it is
+/// given back when the child exits.
+pub trait Preparer: Send + Sync {
+    fn prepare(&self, backend: &dyn Backend, spec: &LoadSpec) -> Result<(), LoadError>;
+    /// Whether it runs in this process: then a load or a run beside it cannot be measured.
+    fn in_process(&self) -> bool;
+}
+
+/// Preparations in this process, by the backend itself.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct InProcess;
+
+impl Preparer for InProcess {
+    fn prepare(&self, backend: &dyn Backend, spec: &LoadSpec) -> Result<(), LoadError> {
+        backend.prepare(spec)
+    }
+    fn in_process(&self) -> bool {
+        true
+    }
+}

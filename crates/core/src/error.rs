@@ -25,6 +25,22 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
+    pub const ALL: [ErrorKind; 13] = [
+        ErrorKind::ModelNotFound,
+        ErrorKind::InvalidInput,
+        ErrorKind::PayloadTooLarge,
+        ErrorKind::QueueFull,
+        ErrorKind::RequestTimeout,
+        ErrorKind::Conflict,
+        ErrorKind::Overloaded,
+        ErrorKind::InsufficientMemory,
+        ErrorKind::ModelFailed,
+        ErrorKind::Inference,
+        ErrorKind::Unauthorized,
+        ErrorKind::ShuttingDown,
+        ErrorKind::Internal,
+    ];
+
     /// The stable machine-readable code put in error bodies.
     pub fn code(self) -> &'static str {
         match self {

@@ -17,8 +17,8 @@ pub mod task;
 pub mod tensor;
 
 pub use backend::{
-    Backend, Device, EmbedInput, Embedder, Embeddings, FootprintEstimate, InferError, LoadError, LoadSpec,
-    LoadedModel, Task, Weights,
+    Backend, Device, EmbedInput, Embedder, Embeddings, FootprintEstimate, InProcess, InferError, LoadError,
+    LoadSpec, LoadedModel, Preparer, Task, Weights,
 };
 pub use error::{ErrorKind, SnoozeError};
 pub use memory::{HostProbe, MemoryProbe, MemorySnapshot};

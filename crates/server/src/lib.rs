@@ -1,15 +1,17 @@
-//! The SnoozeML server: configuration (file + env + flags), the HTTP transports
-//! (KServe v2 REST, OpenAI embeddings, admin) and the glue that builds a
-//! [`ModelManager`] from a [`Config`]. The `snooze` binary is a thin CLI over this.
+//! The SnoozeML server: configuration (file + env + flags), the request layer every
+//! transport shares (`request`), the transports over it — REST (`rest`: KServe v2,
+//! OpenAI, admin) and gRPC (`grpc`) — and the glue that builds a [`ModelManager`] from
+//! a [`Config`]. The `snooze` binary is a thin CLI over this.
 
 pub mod client;
 pub mod config;
 pub mod dump;
 pub mod gpu;
 pub mod grpc;
-pub mod http;
-pub mod inference;
 pub mod listener;
+pub mod prepare;
+pub mod request;
+pub mod rest;
 
 use std::{future::Future, sync::Arc, time::Duration};
 
@@ -24,7 +26,8 @@ use snooze_core::{
 };
 
 use crate::config::{Backend as BackendKind, Config, MemoryLimit};
-pub use http::{router, AppState};
+pub use request::AppState;
+pub use rest::router;
 
 /// The memory picture fixed at start.
 #[derive(Clone)]
@@ -130,21 +133,21 @@ fn promotable(m: &config::ModelSettings, weights: Weights) -> bool {
     m.weights == Weights::Auto && weights == Weights::Mapped && m.max_batch_size > 1
 }
 
-/// `snooze prepare`: makes every one-time copy the config's models load from (ORT
+/// `snooze prepare`: makes every one-time copy the config's models may load from (ORT
 /// format, prepacked), as a server would in the background, but now and in the
 /// foreground — for an image build, an init container or a deploy. Reports each model
 /// through `report`; returns how many preparations failed.
 pub fn prepare(config: &Config, mut report: impl FnMut(&str)) -> anyhow::Result<usize> {
     let backends = Backends::for_config(config)?;
-    let (budget, baseline) = budget_of(config, &HostProbe::new())?;
-    let weights = resolve_weights(config, &backends, budget, baseline)?;
     let mut failed = 0;
-    for (m, weights) in config.models.iter().zip(weights) {
+    for m in &config.models {
         let backend = backends.get(m.backend)?;
-        let mut forms = vec![weights];
-        if promotable(m, weights) {
-            forms.push(Weights::Prepacked);
-        }
+        // `auto` is decided by the budget at each start (an image is built on another
+        // machine than it runs on): both forms it may choose.
+        let forms = match m.weights {
+            Weights::Auto => vec![Weights::Mapped, Weights::Prepacked],
+            chosen => vec![chosen],
+        };
         let mut any = false;
         for form in forms {
             if backend.preparation(&m.path, form).is_none() {
@@ -192,7 +195,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
         );
     }
     // Installed before anything is recorded: the counters start at the first event.
-    http::metrics::handle();
+    request::metrics::handle();
     let backends = Backends::for_config(config)?;
     let probe = Arc::new(HostProbe::new());
     let snap = probe.snapshot();
@@ -287,6 +290,9 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
         store: Some(Arc::new(snooze_core::learned::FootprintStore::open(&s.state_dir))),
         thresholds: s.thresholds(),
         check_interval: s.memory_check_interval,
+        preparer: Arc::new(
+            prepare::ChildPreparer::new(&s.state_dir, s.intra_op_threads).map_err(anyhow::Error::msg)?,
+        ),
     });
     let memory = ServerMemory {
         budget_bytes: budget,
@@ -294,7 +300,15 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
         limit_source: snap.source,
         gpus: gpu_list,
     };
-    Ok(AppState::new(manager, s.clone(), memory))
+    request::metrics::register_models(config.models.iter().map(|m| m.name.as_str()));
+    let state = AppState::new(manager, s.clone(), memory);
+    if state.keys.enabled() {
+        match state.keys.reload() {
+            Ok(n) => tracing::info!(keys = n, "inference endpoints need an API key"),
+            Err(e) => anyhow::bail!("{e}"),
+        }
+    }
+    Ok(state)
 }
 
 /// Serves until `shutdown` resolves, then stops admitting (503 + Retry-After), lets
@@ -306,10 +320,15 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let s = &state.settings;
-    if let Some(warning) = http::auth::exposure_warning(&s.http_address, s.admin_token.as_deref()) {
+    let exposure =
+        request::auth::exposure_warning(&s.http_address, s.admin_token.is_some(), state.keys.enabled());
+    if let Some(warning) = exposure {
         tracing::warn!("{warning}");
     }
     raise_open_file_limit(s.max_connections);
+    if state.settings.api_keys_file.is_some() {
+        tokio::spawn(reload_keys_on_sighup(state.clone()));
+    }
     let limits = listener::ConnectionLimits {
         header_read_timeout: s.header_read_timeout,
         idle_timeout: s.idle_timeout,
@@ -346,6 +365,19 @@ pub async fn serve(
         task.await??;
     }
     Ok(())
+}
+
+/// Re-reads `api_keys_file` on every SIGHUP: keys rotate without a restart (a file that
+/// cannot be read, or names no key, leaves the keys in force as they were).
+async fn reload_keys_on_sighup(state: AppState) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else { return };
+    while hup.recv().await.is_some() {
+        match state.keys.reload() {
+            Ok(n) => tracing::info!(keys = n, "API keys reloaded (SIGHUP)"),
+            Err(e) => tracing::error!("API keys not reloaded, the old ones stay in force: {e}"),
+        }
+    }
 }
 
 /// Lifts the soft open-file limit toward the hard one, so `max_connections` sockets

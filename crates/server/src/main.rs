@@ -40,6 +40,20 @@ enum Command {
     /// into state_dir now, instead of in the background of a running server: for an
     /// image build, an init container or before a deploy. Takes `serve`'s flags.
     Prepare(Box<ServeArgs>),
+    /// One model's one-time preparation, as the server runs it in a child process.
+    #[command(hide = true)]
+    PrepareModel {
+        #[arg(long)]
+        backend: String,
+        #[arg(long)]
+        path: PathBuf,
+        #[arg(long)]
+        weights: String,
+        #[arg(long)]
+        state_dir: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        intra_op_threads: usize,
+    },
     /// Validate a config file without serving; exits non-zero with the reason.
     Check {
         /// The snooze.toml to check.
@@ -247,6 +261,38 @@ fn prepare(args: ServeArgs, overrides: RawServer) -> anyhow::Result<()> {
     }
 }
 
+fn prepare_model(
+    backend: &str,
+    path: PathBuf,
+    weights: &str,
+    state_dir: &std::path::Path,
+    intra_op_threads: usize,
+) -> anyhow::Result<()> {
+    let weights =
+        snooze_core::Weights::parse(weights).ok_or_else(|| anyhow::anyhow!("unknown weights {weights:?}"))?;
+    let backend: Box<dyn snooze_core::Backend> = match backend {
+        "onnx" => {
+            let pool = snooze_backend_ort::ThreadPool { intra_op_threads, spinning: false };
+            Box::new(
+                snooze_backend_ort::OrtBackend::with_pool(None, pool)
+                    .map_err(anyhow::Error::msg)?
+                    .with_cache_dir(state_dir.join("ort-cache")),
+            )
+        }
+        "candle" => Box::new(snooze_backend_candle::CandleBackend::new()),
+        other => anyhow::bail!("unknown backend {other:?}"),
+    };
+    let spec = snooze_core::LoadSpec {
+        name: path.display().to_string(),
+        path,
+        device: snooze_core::Device::Cpu,
+        intra_op_threads,
+        instances: 1,
+        weights,
+    };
+    backend.prepare(&spec).map_err(|e| anyhow::anyhow!("{e}"))
+}
+
 fn guess_backend(path: &std::path::Path) -> &'static str {
     if path.join("config.json").is_file() && !path.join("model.onnx").exists() {
         "candle"
@@ -319,6 +365,9 @@ fn main() -> ExitCode {
             init_logs(args.log_format);
             let overrides = matches.subcommand_matches("prepare").map(overrides).unwrap_or_default();
             prepare(*args, overrides)
+        }
+        Command::PrepareModel { backend, path, weights, state_dir, intra_op_threads } => {
+            prepare_model(&backend, path, &weights, &state_dir, intra_op_threads)
         }
         Command::Check { config, model_dir } => check(config, model_dir),
         Command::Estimate { path, backend, weights } => estimate(path, backend, &weights),

@@ -13,10 +13,12 @@ use std::{
 use proptest::prelude::*;
 use serde_json::{json, value::RawValue, Value};
 use snooze_core::{DataType, ErrorKind, ModelSignature, SnoozeError, TensorSpec};
-use snooze_server::http::{
-    codec::{split_body, InferRequest},
-    decode::{decode, plan_inputs},
-    openai::parse_input,
+use snooze_server::{
+    request::{
+        codec::{split_body, InferRequest},
+        decode::{decode, plan_inputs},
+    },
+    rest::openai::parse_input,
 };
 
 /// Counts the bytes this thread has allocated and not freed, and their peak.

@@ -28,10 +28,6 @@ mod requests;
 mod slot;
 #[cfg(test)]
 mod tests;
-#[cfg(test)]
-mod tests_prepare;
-#[cfg(test)]
-mod tests_queueing;
 mod unloads;
 
 use std::{

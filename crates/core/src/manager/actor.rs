@@ -51,6 +51,7 @@ pub(super) struct Actor {
     pub(super) level: watch::Sender<PressureLevel>,
     pub(super) thresholds: Thresholds,
     pub(super) check_interval: Duration,
+    pub(super) preparer: Arc<dyn crate::backend::Preparer>,
 }
 
 enum Wake {

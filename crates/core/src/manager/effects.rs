@@ -165,8 +165,9 @@ impl Actor {
 }
 
 impl Actor {
-    /// Does a model's one-time preparation on its own thread at the lowest CPU priority,
-    /// so requests keep the cores; reports what the model's loads cost from now on.
+    /// Does a model's one-time preparation through the preparer (in a child process, or on
+    /// a thread of its own at low CPU priority), so requests keep the cores; reports what
+    /// the model's loads cost from now on.
     pub(super) fn start_prepare(&mut self, model: ModelId, weights: Weights) {
         let (backend, path, load_weights) = self.backends[model].clone();
         let policy = &self.scheduler.slot(model).policy;
@@ -179,14 +180,23 @@ impl Actor {
             weights,
         };
         let tx = self.tx.clone();
+        let preparer = self.preparer.clone();
         let spawned = std::thread::Builder::new().name("snooze-prepare".into()).spawn(move || {
-            memory::lower_thread_priority();
             let started = Instant::now();
-            let _work = execution::WORK.begin();
-            let _preparing = execution::PREPARING.begin();
-            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.prepare(&spec)))
-                .unwrap_or_else(|_| Err(LoadError::Failed(format!("the backend panicked preparing '{}'", spec.name))));
-            memory::trim_heap();
+            // Beside the process's own loads and runs only when it runs in this process.
+            let in_process = preparer.in_process();
+            let _work = in_process.then(|| execution::WORK.begin());
+            let _preparing = in_process.then(|| execution::PREPARING.begin());
+            if in_process {
+                memory::lower_thread_priority();
+            }
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                preparer.prepare(backend.as_ref(), &spec)
+            }))
+            .unwrap_or_else(|_| Err(LoadError::Failed(format!("the backend panicked preparing '{}'", spec.name))));
+            if in_process {
+                memory::trim_heap();
+            }
             let result = match result {
                 Ok(()) => {
                     tracing::info!(model = %spec.name, weights = weights.as_str(), duration_ms = started.elapsed().as_millis() as u64, "prepared in the background");

@@ -70,6 +70,8 @@ pub struct ManagerConfig {
     pub thresholds: Thresholds,
     /// How often the pressure monitor reads the probe (also after every load).
     pub check_interval: Duration,
+    /// Who does the models' one-time preparations (in the background, one at a time).
+    pub preparer: Arc<dyn crate::backend::Preparer>,
 }
 
 /// What the transports know of a model without asking the actor.
@@ -272,6 +274,7 @@ impl ModelManager {
             level: level_tx,
             thresholds: config.thresholds,
             check_interval: config.check_interval,
+            preparer: config.preparer,
         };
         tokio::spawn(actor.run());
         let manager = ModelManager {

@@ -1,19 +1,23 @@
 //! KServe v2 / Open Inference Protocol over gRPC (`inference.GRPCInferenceService`),
-//! on `grpc_address`. Requests decode into the same tensors as REST, through the same
-//! header checks, and take the same path from there ([`crate::inference`]); errors
-//! map to gRPC codes from the same table as HTTP statuses
-//! ([`crate::http::error::wire_codes`]), a refusal's retry delay in the `retry-after`
-//! metadata and in the message.
+//! on `grpc_address`: a thin transport over the request layer. Requests decode into
+//! the same tensors as REST, through the same header checks, and take the same path
+//! from there ([`crate::request::inference`]); errors map to gRPC codes from the same
+//! table as HTTP statuses ([`crate::request::errors::wire_codes`]), a refusal's retry
+//! delay in the `retry-after` metadata and in the message.
 
-use std::{collections::HashSet, future::Future};
+use std::future::Future;
 
-use snooze_core::{lifecycle::StateName, DataType, ErrorKind, ModelInfo, SnoozeError, Tensor, TensorData};
+use snooze_core::{lifecycle::StateName, ErrorKind, ModelInfo, SnoozeError};
 use tonic::{metadata::MetadataValue, Request, Response, Status};
 
-use crate::{
-    http::{self, codec, decode, AppState},
+use crate::request::{
+    auth, errors, index_state,
     inference::{self, PriorityValue},
+    metrics, AppState, VERSION,
 };
+
+mod limit;
+mod tensors;
 
 pub mod proto {
     #![allow(clippy::all, clippy::pedantic, missing_docs)]
@@ -23,31 +27,26 @@ pub mod proto {
 use proto::{
     grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer},
     infer_parameter::ParameterChoice,
-    model_infer_request::InferInputTensor,
-    model_infer_response::InferOutputTensor,
     model_metadata_response::TensorMetadata,
     repository_index_response::ModelIndex,
-    InferTensorContents, ModelInferRequest, ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse,
-    ModelReadyRequest, ModelReadyResponse, RepositoryIndexRequest, RepositoryIndexResponse,
-    RepositoryModelLoadRequest, RepositoryModelLoadResponse, RepositoryModelUnloadRequest,
-    RepositoryModelUnloadResponse, ServerLiveRequest, ServerLiveResponse, ServerMetadataRequest,
-    ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
+    ModelInferRequest, ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest,
+    ModelReadyResponse, RepositoryIndexRequest, RepositoryIndexResponse, RepositoryModelLoadRequest,
+    RepositoryModelLoadResponse, RepositoryModelUnloadRequest, RepositoryModelUnloadResponse,
+    ServerLiveRequest, ServerLiveResponse, ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest,
+    ServerReadyResponse,
 };
 
 /// Initial HTTP/2 flow-control window of a stream (a request's message).
 const WINDOW: u32 = 4 << 20;
 
-/// The one version every model has.
-const VERSION: &str = "1";
-
 /// `e` as a gRPC status: the code from the shared table, the message, and for refusals
 /// the retry delay in `retry-after` metadata (seconds) and in the message.
 pub fn status(e: &SnoozeError) -> Status {
-    let (http, code) = http::error::wire_codes(e);
+    let (http, code) = errors::wire_codes(e);
     if http.is_server_error() {
         tracing::warn!(code = e.kind.code(), error = %e.message, "gRPC request failed");
     }
-    let retry = http::error::retry_after_secs(e);
+    let retry = errors::retry_after_secs(e);
     let message = match retry {
         Some(secs) => format!("{} (retry after {secs} s)", e.message),
         None => e.message.clone(),
@@ -71,11 +70,12 @@ pub struct Service {
     state: AppState,
 }
 
-/// The service with its limits: messages up to `max_request_size`.
+/// The service with its limits: messages up to `max_request_size`, refused before
+/// tonic reads them by `limit::MessageLimitLayer` (tonic's own bound stays as a backstop).
 pub fn service(state: AppState) -> GrpcInferenceServiceServer<Service> {
     let limit = usize::try_from(state.settings.max_request_size).unwrap_or(usize::MAX);
     GrpcInferenceServiceServer::new(Service { state })
-        .max_decoding_message_size(limit)
+        .max_decoding_message_size(limit.saturating_add(1))
         .max_encoding_message_size(usize::MAX)
 }
 
@@ -97,48 +97,28 @@ pub async fn serve(
         .initial_connection_window_size(Some(WINDOW * 4))
         .timeout(s.acquire_timeout + s.queue_timeout)
         .concurrency_limit_per_connection(256)
-        .layer(tower::util::MapResponseLayer::new(move |r| too_large_is_resource_exhausted(r, limit)))
+        .layer(limit::MessageLimitLayer::new(limit))
         .add_service(service(state.clone()))
         .serve_with_incoming_shutdown(incoming, stop)
         .await?;
     Ok(())
 }
 
-/// tonic refuses a message over `max_decoding_message_size` with OUT_OF_RANGE before
-/// any handler runs; the shared table says a request too large is RESOURCE_EXHAUSTED
-/// (HTTP 413), with a message naming the setting.
-fn too_large_is_resource_exhausted<B>(mut r: axum::http::Response<B>, limit: u64) -> axum::http::Response<B> {
-    let h = r.headers_mut();
-    let too_large = h.get("grpc-status").is_some_and(|v| v == "11")
-        && h.get("grpc-message")
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|m| m.replace("%20", " ").contains("message length too large"));
-    if too_large {
-        let e = SnoozeError::new(
-            ErrorKind::PayloadTooLarge,
-            format!("the request message is larger than max_request_size ({limit} bytes)"),
-        );
-        let _ = status(&e).add_header(h);
-    }
-    r
+/// The `authorization` metadata, as text.
+fn authorization<T>(req: &Request<T>) -> Option<&str> {
+    req.metadata().get("authorization").and_then(|v| v.to_str().ok())
 }
 
 /// Repository RPCs need the admin token (metadata `authorization: Bearer ...`) when
 /// one is set, like their REST routes.
 fn require_admin<T>(state: &AppState, req: &Request<T>) -> Result<(), Status> {
-    let headers = req.metadata().clone().into_headers();
-    http::auth::check(state.settings.admin_token.as_deref(), &headers).map_err(fail)
+    auth::check_admin(state.settings.admin_token.as_deref(), authorization(req)).map_err(fail)
 }
 
-fn model<'a>(state: &'a AppState, name: &str, version: &str) -> Result<&'a ModelInfo, Status> {
-    let info = state.manager.info(name).map_err(fail)?;
-    match version {
-        "" | VERSION => Ok(info),
-        v => Err(fail(SnoozeError::new(
-            ErrorKind::ModelNotFound,
-            format!("model '{name}' has no version '{v}' (versions: {VERSION})"),
-        ))),
-    }
+/// Metadata, inference and the index need an API key when any is set, like their
+/// REST routes; health and readiness do not.
+fn require_key<T>(state: &AppState, req: &Request<T>) -> Result<(), Status> {
+    state.keys.check(authorization(req)).map_err(fail)
 }
 
 fn priority_of(req: &Request<ModelInferRequest>) -> Result<Option<snooze_core::Priority>, SnoozeError> {
@@ -158,189 +138,26 @@ fn priority_of(req: &Request<ModelInferRequest>) -> Result<Option<snooze_core::P
     inference::priority(header, parameter)
 }
 
-/// Typed `contents` of one input, checked element by element against its datatype
-/// (its length was checked against the shape before anything was converted).
-fn typed(name: &str, datatype: DataType, c: InferTensorContents) -> Result<TensorData, SnoozeError> {
-    fn narrow<S: Copy, T: TryFrom<S>>(name: &str, v: Vec<S>, dt: DataType) -> Result<Vec<T>, SnoozeError> {
-        v.into_iter()
-            .enumerate()
-            .map(|(i, x)| {
-                T::try_from(x).map_err(|_| {
-                    SnoozeError::invalid(format!("input '{name}' element {i} is out of range for {dt}"))
-                })
-            })
-            .collect()
-    }
-    Ok(match datatype {
-        DataType::Bool => TensorData::Bool(c.bool_contents),
-        DataType::Int8 => TensorData::Int8(narrow(name, c.int_contents, datatype)?),
-        DataType::Int16 => TensorData::Int16(narrow(name, c.int_contents, datatype)?),
-        DataType::Int32 => TensorData::Int32(c.int_contents),
-        DataType::Int64 => TensorData::Int64(c.int64_contents),
-        DataType::Uint8 => TensorData::Uint8(narrow(name, c.uint_contents, datatype)?),
-        DataType::Uint16 => TensorData::Uint16(narrow(name, c.uint_contents, datatype)?),
-        DataType::Uint32 => TensorData::Uint32(c.uint_contents),
-        DataType::Uint64 => TensorData::Uint64(c.uint64_contents),
-        DataType::Fp32 => TensorData::Fp32(c.fp32_contents),
-        DataType::Fp64 => TensorData::Fp64(c.fp64_contents),
-        DataType::Bytes => TensorData::Bytes(c.bytes_contents),
-        DataType::Fp16 => {
-            return Err(SnoozeError::invalid(format!(
-                "input '{name}': FP16 has no typed contents in the protocol; send it in raw_input_contents"
-            )))
-        }
-    })
-}
-
-/// How many elements the typed contents hold for `datatype`, and whether another
-/// field holds any (a client that filled the wrong one).
-fn typed_len(datatype: DataType, c: &InferTensorContents) -> (usize, usize) {
-    let lens = [
-        c.bool_contents.len(),
-        c.int_contents.len(),
-        c.int64_contents.len(),
-        c.uint_contents.len(),
-        c.uint64_contents.len(),
-        c.fp32_contents.len(),
-        c.fp64_contents.len(),
-        c.bytes_contents.len(),
-    ];
-    let field = match datatype {
-        DataType::Bool => 0,
-        DataType::Int8 | DataType::Int16 | DataType::Int32 => 1,
-        DataType::Int64 => 2,
-        DataType::Uint8 | DataType::Uint16 | DataType::Uint32 => 3,
-        DataType::Uint64 => 4,
-        DataType::Fp32 => 5,
-        DataType::Fp64 => 6,
-        DataType::Bytes => 7,
-        DataType::Fp16 => return (0, lens.iter().sum()),
-    };
-    (lens[field], lens.iter().sum::<usize>() - lens[field])
-}
-
-/// Decodes a `ModelInferRequest`'s inputs: headers first (names, datatypes, shapes
-/// against the model), then data: raw bytes in the binary layout, or typed contents
-/// whose length must match the shape before anything is converted.
-fn decode_inputs(
-    state: &AppState,
-    info: &ModelInfo,
-    inputs: Vec<InferInputTensor>,
-    raw: Vec<Vec<u8>>,
-) -> Result<Vec<Tensor>, SnoozeError> {
-    let sig = info.signature.as_ref().ok();
-    let model = info.name.as_str();
-    if !raw.is_empty() && raw.len() != inputs.len() {
-        return Err(SnoozeError::invalid(format!(
-            "raw_input_contents has {} entries for {} inputs (one per input, or none)",
-            raw.len(),
-            inputs.len()
-        )));
-    }
-    let mut seen = HashSet::new();
-    let mut headers = Vec::with_capacity(inputs.len());
-    for input in &inputs {
-        let (dt, count) =
-            decode::check_header(&input.name, &input.datatype, &input.shape, sig, model, &mut seen)?;
-        inference::check_text_count(state, info, &input.name, count)?;
-        headers.push((dt, count));
-    }
-    decode::check_complete(sig, &seen)?;
-    if !raw.is_empty() {
-        if let Some(i) = inputs.iter().position(|i| i.contents.is_some()) {
-            return Err(SnoozeError::invalid(format!(
-                "input '{}' has contents while the request has raw_input_contents (use one or the other)",
-                inputs[i].name
-            )));
-        }
-        let plans = inputs
-            .iter()
-            .zip(&headers)
-            .zip(&raw)
-            .map(|((input, (dt, count)), bytes)| {
-                decode::plan_raw(&input.name, *dt, &input.shape, *count, bytes)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        return decode::decode(plans, &[]);
-    }
-    inputs
-        .into_iter()
-        .zip(headers)
-        .map(|(input, (dt, count))| {
-            let name = input.name;
-            let contents = input.contents.unwrap_or_default();
-            let (len, others) = typed_len(dt, &contents);
-            if others > 0 {
-                return Err(SnoozeError::invalid(format!(
-                    "input '{name}' ({dt}) has values in a contents field of another datatype"
-                )));
-            }
-            if len != count {
-                return Err(SnoozeError::invalid(format!(
-                    "input '{name}' has {len} elements but its shape {:?} needs {count}",
-                    input.shape
-                )));
-            }
-            let data = typed(&name, dt, contents)?;
-            Ok(Tensor::new(name, input.shape, data))
-        })
-        .collect()
-}
-
-/// Outputs are always sent in `raw_output_contents` (as Triton does): the binary
-/// layout, which every client reads, at no conversion cost.
-fn encode_outputs(name: &str, id: String, outputs: Vec<Tensor>) -> ModelInferResponse {
-    let mut raw = Vec::with_capacity(outputs.len());
-    let tensors = outputs
-        .into_iter()
-        .map(|t| {
-            let mut bytes = Vec::new();
-            codec::to_binary(&t.data, &mut bytes);
-            raw.push(bytes);
-            InferOutputTensor {
-                datatype: t.datatype().as_str().to_string(),
-                name: t.name,
-                shape: t.shape,
-                parameters: Default::default(),
-                contents: None,
-            }
-        })
-        .collect();
-    ModelInferResponse {
-        model_name: name.to_string(),
-        model_version: VERSION.to_string(),
-        id,
-        parameters: Default::default(),
-        outputs: tensors,
-        raw_output_contents: raw,
-    }
-}
-
 impl Service {
-    async fn infer(&self, req: Request<ModelInferRequest>) -> Result<ModelInferResponse, SnoozeError> {
+    async fn infer(
+        &self,
+        info: &ModelInfo,
+        req: Request<ModelInferRequest>,
+    ) -> Result<ModelInferResponse, SnoozeError> {
         let state = &self.state;
         state.admit()?;
         let priority = priority_of(&req)?;
         let mut charge = state.request_memory.charge();
-        // The message as received: tonic bounds it by max_request_size before decoding.
-        charge.grow(prost::Message::encoded_len(req.get_ref()) as u64)?;
+        // The message's size as its frame declared it, checked by the limit layer.
+        let size = req.extensions().get::<limit::MessageSize>().map_or(0, |s| s.0);
+        charge.grow(size)?;
         let req = req.into_inner();
-        let info = state.manager.info(&req.model_name)?;
-        if !matches!(req.model_version.as_str(), "" | VERSION) {
-            return Err(SnoozeError::new(
-                ErrorKind::ModelNotFound,
-                format!(
-                    "model '{}' has no version '{}' (versions: {VERSION})",
-                    req.model_name, req.model_version
-                ),
-            ));
-        }
         let sig = info.signature.as_ref().ok();
         let requested: Vec<String> = req.outputs.iter().map(|o| o.name.clone()).collect();
         inference::check_requested_outputs(sig, &info.name, requested.iter().map(String::as_str))?;
-        let inputs = decode_inputs(state, info, req.inputs, req.raw_input_contents)?;
+        let inputs = tensors::decode_inputs(state, info, req.inputs, req.raw_input_contents)?;
         let outputs = inference::run(state, info, inputs, requested, priority, &mut charge).await?;
-        Ok(encode_outputs(&info.name, req.id, outputs))
+        Ok(tensors::encode_outputs(&info.name, req.id, outputs))
     }
 }
 
@@ -365,7 +182,7 @@ impl GrpcInferenceService for Service {
         req: Request<ModelReadyRequest>,
     ) -> Result<Response<ModelReadyResponse>, Status> {
         let req = req.into_inner();
-        let info = model(&self.state, &req.name, &req.version)?;
+        let info = self.state.model(&req.name, Some(&req.version)).map_err(fail)?;
         let failed = self
             .state
             .manager
@@ -378,8 +195,9 @@ impl GrpcInferenceService for Service {
 
     async fn server_metadata(
         &self,
-        _: Request<ServerMetadataRequest>,
+        req: Request<ServerMetadataRequest>,
     ) -> Result<Response<ServerMetadataResponse>, Status> {
+        require_key(&self.state, &req)?;
         Ok(Response::new(ServerMetadataResponse {
             name: "snoozeml".into(),
             version: env!("CARGO_PKG_VERSION").into(),
@@ -391,8 +209,9 @@ impl GrpcInferenceService for Service {
         &self,
         req: Request<ModelMetadataRequest>,
     ) -> Result<Response<ModelMetadataResponse>, Status> {
+        require_key(&self.state, &req)?;
         let req = req.into_inner();
-        let info = model(&self.state, &req.name, &req.version)?;
+        let info = self.state.model(&req.name, Some(&req.version)).map_err(fail)?;
         let sig = info.signature.as_ref().map_err(|e| {
             fail(SnoozeError::new(ErrorKind::ModelFailed, format!("cannot read model '{}': {e}", info.name)))
         })?;
@@ -418,12 +237,12 @@ impl GrpcInferenceService for Service {
         &self,
         req: Request<ModelInferRequest>,
     ) -> Result<Response<ModelInferResponse>, Status> {
+        require_key(&self.state, &req)?;
         let started = std::time::Instant::now();
-        let name = req.get_ref().model_name.clone();
-        let result = self.infer(req).await;
-        if self.state.manager.info(&name).is_ok() {
-            http::metrics::observe(&name, "grpc", started, result.as_ref().map(drop));
-        }
+        let r = req.get_ref();
+        let info = self.state.model(&r.model_name, Some(&r.model_version)).map_err(fail)?;
+        let result = self.infer(info, req).await;
+        metrics::observe(&info.name, "grpc", started, result.as_ref().map(drop));
         result.map(Response::new).map_err(|e| status(&e))
     }
 
@@ -431,6 +250,7 @@ impl GrpcInferenceService for Service {
         &self,
         req: Request<RepositoryIndexRequest>,
     ) -> Result<Response<RepositoryIndexResponse>, Status> {
+        require_key(&self.state, &req)?;
         let ready_only = req.get_ref().ready;
         let models = self
             .state
@@ -440,7 +260,7 @@ impl GrpcInferenceService for Service {
             .iter()
             .filter(|s| !ready_only || s.state == StateName::Ready)
             .map(|s| {
-                let (state, reason) = http::kserve::index_state(s);
+                let (state, reason) = index_state(s);
                 ModelIndex { name: s.name.clone(), version: VERSION.into(), state: state.into(), reason }
             })
             .collect();

@@ -1,13 +1,13 @@
 //! One request path for every protocol. KServe REST (JSON or binary) and gRPC (typed
 //! or raw contents) decode into the same tensors through the same header checks
-//! (`http::decode::check_header`); from there this module applies the same rules
-//! (embedding limits, requested outputs, priority, request memory) and hands the
-//! request to the same admission, queue and lease in the model manager. Errors map to
-//! HTTP statuses and gRPC codes from one table (`http::error::wire_codes`).
+//! (`decode::check_header`); from there this module applies the same rules (embedding
+//! limits, requested outputs, priority, request memory) and hands the request to the
+//! same admission, queue and lease in the model manager. Errors map to HTTP statuses
+//! and gRPC codes from one table (`errors::wire_codes`).
 
 use snooze_core::{ModelInfo, ModelSignature, Priority, SnoozeError, Task, Tensor, TensorData};
 
-use crate::http::{request_memory::Charge, AppState};
+use super::{memory::Charge, AppState};
 
 /// In low-RAM mode the heap is trimmed after requests at least this large.
 pub const LARGE_REQUEST: u64 = 1 << 20;

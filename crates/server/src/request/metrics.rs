@@ -1,25 +1,20 @@
-//! `GET /metrics`: Prometheus' text format through the `metrics` facade and
-//! `metrics-exporter-prometheus`.
+//! Prometheus metrics through the `metrics` facade and `metrics-exporter-prometheus`.
 //!
 //! Counters and histograms are recorded where things happen (the actor for loads,
 //! unloads, queue waits and refusals; the scheduler for out-of-memory recoveries; the
-//! handlers for requests). Gauges — memory, footprints, states, leases, queue depths,
-//! the pressure level — are a picture of now, so they are set from the admin view at
-//! each scrape rather than kept up to date on every change.
+//! transports for requests, through [`observe`]). Every series whose labels are known at
+//! start — per configured model, each protocol and request outcome, load outcome, unload
+//! reason, refusal reason and OOM step — exists at 0 from the first scrape ([`register_models`]), so an
+//! alert on `rate(snooze_refusals_total[5m])` sees 0, not "no data". Gauges — memory,
+//! footprints, states, leases, queue depths, the pressure level — are a picture of now,
+//! set at each scrape ([`render`]).
 
 use std::{sync::OnceLock, time::Instant};
 
-use axum::{
-    extract::State,
-    http::{header, HeaderValue},
-    response::{IntoResponse, Response},
-    routing::get,
-    Router,
-};
-use metrics::gauge;
+use metrics::{counter, gauge};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use snooze_core::{
-    events::metric, lifecycle::StateName, memory::MemoryProbe, pressure::PressureLevel, HostProbe,
+    events::metric, lifecycle::StateName, memory::MemoryProbe, pressure::PressureLevel, ErrorKind, HostProbe,
     SnoozeError,
 };
 
@@ -29,6 +24,20 @@ use super::AppState;
 const BUCKETS: &[f64] = &[
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
     30.0, 60.0,
+];
+
+/// Protocols a request can come by (the `protocol` label).
+pub const PROTOCOLS: [&str; 3] = ["kserve", "grpc", "openai"];
+const LOAD_OUTCOMES: [&str; 3] = ["ok", "out_of_memory", "failed"];
+const UNLOAD_REASONS: [&str; 6] = ["evicted", "idle", "requested", "pressure", "shutdown", "failed"];
+const OOM_STEPS: [&str; 3] = ["evict", "retry", "split"];
+/// What a queued request can be refused for (the actor's refusals).
+const REFUSALS: [ErrorKind; 5] = [
+    ErrorKind::InsufficientMemory,
+    ErrorKind::QueueFull,
+    ErrorKind::Overloaded,
+    ErrorKind::ModelFailed,
+    ErrorKind::ShuttingDown,
 ];
 
 /// The process's one recorder (installed on first use; later calls share it).
@@ -49,8 +58,34 @@ pub fn handle() -> Option<&'static PrometheusHandle> {
         .as_ref()
 }
 
-pub fn routes() -> Router<AppState> {
-    Router::new().route("/metrics", get(metrics))
+/// Creates every counter of every configured model at 0.
+pub fn register_models<'a>(models: impl Iterator<Item = &'a str>) {
+    for m in models {
+        let model = || m.to_string();
+        for protocol in PROTOCOLS {
+            let outcomes = std::iter::once("ok").chain(ErrorKind::ALL.iter().map(|k| k.code()));
+            for outcome in outcomes {
+                counter!(metric::REQUESTS, "model" => model(), "protocol" => protocol, "outcome" => outcome)
+                    .increment(0);
+            }
+        }
+        for outcome in LOAD_OUTCOMES {
+            counter!(metric::LOADS, "model" => model(), "outcome" => outcome).increment(0);
+        }
+        for reason in UNLOAD_REASONS {
+            counter!(metric::UNLOADS, "model" => model(), "reason" => reason).increment(0);
+        }
+        for kind in REFUSALS {
+            counter!(metric::REFUSALS, "model" => model(), "reason" => kind.code()).increment(0);
+        }
+        // Histograms too (their `_count` and `_sum` at 0), for rates taken over them.
+        for name in [metric::REQUEST_DURATION, metric::QUEUE_WAIT, metric::LOAD_DURATION] {
+            let _ = metrics::histogram!(name, "model" => model());
+        }
+        for step in OOM_STEPS {
+            counter!(metric::OOM_RECOVERIES, "model" => model(), "step" => step).increment(0);
+        }
+    }
 }
 
 /// Counts a request and its duration: `outcome` is `ok` or the error's code.
@@ -59,7 +94,7 @@ pub fn observe(model: &str, protocol: &'static str, started: Instant, result: Re
         Ok(()) => "ok",
         Err(e) => e.kind.code(),
     };
-    metrics::counter!(metric::REQUESTS, "model" => model.to_string(), "protocol" => protocol, "outcome" => outcome)
+    counter!(metric::REQUESTS, "model" => model.to_string(), "protocol" => protocol, "outcome" => outcome)
         .increment(1);
     metrics::histogram!(metric::REQUEST_DURATION, "model" => model.to_string())
         .record(started.elapsed().as_secs_f64());
@@ -73,7 +108,8 @@ const STATES: [(StateName, &str); 5] = [
     (StateName::Failed, "failed"),
 ];
 
-async fn metrics(State(state): State<AppState>) -> Response {
+/// Sets the gauges to what is true now and renders every series in Prometheus' text format.
+pub async fn render(state: &AppState) -> String {
     let status = state.manager.status().await;
     let pressure = state.manager.pressure_state();
     let snap = HostProbe::new().snapshot();
@@ -127,9 +163,5 @@ async fn metrics(State(state): State<AppState>) -> Response {
         PressureLevel::Emergency => 3.0,
     };
     gauge!(metric::PRESSURE).set(level);
-    let text = handle().map(PrometheusHandle::render).unwrap_or_default();
-    let mut resp = text.into_response();
-    resp.headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"));
-    resp
+    handle().map(PrometheusHandle::render).unwrap_or_default()
 }

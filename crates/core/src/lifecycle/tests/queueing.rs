@@ -2,10 +2,8 @@
 
 use std::time::Duration;
 
-use super::{
-    tests::{replies, Harness, MB},
-    *,
-};
+use super::{replies, Harness, MB};
+use crate::lifecycle::*;
 
 fn dispatches(actions: &[Action]) -> Vec<(ModelId, Vec<RequestId>, u32)> {
     actions

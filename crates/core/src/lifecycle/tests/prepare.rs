@@ -1,8 +1,8 @@
 //! One-time preparations (conversions): run in the background when the host is quiet
 //! and they fit, never a condition for serving, never counted as what a model needs.
 
-use super::tests::{Harness, MB};
-use super::*;
+use super::{Harness, MB};
+use crate::lifecycle::*;
 use crate::{backend::Weights, error::ErrorKind};
 
 fn prepare(h: &mut Harness, name: &str, peak_mb: u64) {

@@ -10,7 +10,8 @@ use axum::{
 use http_body_util::BodyExt;
 use snooze_core::{units::format_bytes as fb, ErrorKind, SnoozeError};
 
-use super::{request_memory::Charge, AppState};
+use super::AppState;
+use crate::request::memory::Charge;
 
 /// Bodies of repository and admin requests (a few optional parameters).
 pub const SMALL_BODY_LIMIT: u64 = 64 << 10;

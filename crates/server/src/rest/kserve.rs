@@ -16,24 +16,33 @@ use snooze_core::{
 
 use super::{
     body::{optional_json, read_body, SMALL_BODY_LIMIT},
-    codec::{self, InferRequest, InferResponse, JsonData, OutputEncoding, ResponseOutput},
-    decode, ok_json, AppError, AppState,
+    ok_json, AppError, AppState,
 };
-use crate::inference::{self, PriorityValue};
+use crate::request::{
+    codec::{self, InferRequest, InferResponse, JsonData, OutputEncoding, ResponseOutput},
+    decode, index_state,
+    inference::{self, PriorityValue},
+    VERSION,
+};
 
-/// The one version every model has (a model-repository `1/` folder, or a plain file).
-const VERSION: &str = "1";
 const HEADER_LEN: &str = "inference-header-content-length";
 
-pub fn routes() -> Router<AppState> {
+/// Liveness and readiness, of the server and of a model: open to probes and load
+/// balancers whatever the API keys.
+pub fn health_routes() -> Router<AppState> {
     Router::new()
         .route("/v2/health/live", get(|| async { ok_json(json!({"live": true})) }))
         .route("/v2/health/ready", get(server_ready))
+        .route("/v2/models/{model}/ready", get(model_ready))
+        .route("/v2/models/{model}/versions/{version}/ready", get(model_ready_v))
+}
+
+/// Metadata, inference and the repository index: behind the API keys when any is set.
+pub fn routes() -> Router<AppState> {
+    Router::new()
         .route("/v2", get(server_metadata))
         .route("/v2/models/{model}", get(model_metadata))
         .route("/v2/models/{model}/versions/{version}", get(model_metadata_v))
-        .route("/v2/models/{model}/ready", get(model_ready))
-        .route("/v2/models/{model}/versions/{version}/ready", get(model_ready_v))
         .route("/v2/models/{model}/infer", post(infer))
         .route("/v2/models/{model}/versions/{version}/infer", post(infer_v))
         .route("/v2/repository/index", post(repository_index))
@@ -69,17 +78,6 @@ async fn server_metadata() -> Response {
     }))
 }
 
-fn model<'a>(state: &'a AppState, name: &str, version: Option<&str>) -> Result<&'a ModelInfo, SnoozeError> {
-    let info = state.manager.info(name)?;
-    match version {
-        None | Some(VERSION) | Some("") => Ok(info),
-        Some(v) => Err(SnoozeError::new(
-            ErrorKind::ModelNotFound,
-            format!("model '{name}' has no version '{v}' (versions: {VERSION})"),
-        )),
-    }
-}
-
 fn metadata(info: &ModelInfo) -> Result<Response, AppError> {
     let sig = info.signature.as_ref().map_err(|e| {
         SnoozeError::new(ErrorKind::ModelFailed, format!("cannot read model '{}': {e}", info.name))
@@ -99,21 +97,21 @@ fn metadata(info: &ModelInfo) -> Result<Response, AppError> {
 }
 
 async fn model_metadata(State(s): State<AppState>, Path(m): Path<String>) -> Result<Response, AppError> {
-    metadata(model(&s, &m, None)?)
+    metadata(s.model(&m, None)?)
 }
 
 async fn model_metadata_v(
     State(s): State<AppState>,
     Path((m, v)): Path<(String, String)>,
 ) -> Result<Response, AppError> {
-    metadata(model(&s, &m, Some(&v))?)
+    metadata(s.model(&m, Some(&v))?)
 }
 
 /// Ready = can take a request now: a sleeping model can (it loads on demand); one
 /// backing off after a failed load cannot.
 async fn ready(state: &AppState, name: &str, version: Option<&str>) -> Result<Response, AppError> {
     state.admit()?;
-    let info = model(state, name, version)?;
+    let info = state.model(name, version)?;
     let status = state.manager.status().await;
     if let Some(st) = status.iter().find(|s| s.name == info.name) {
         if st.state == StateName::Failed {
@@ -167,7 +165,12 @@ async fn run_infer(
     let started = std::time::Instant::now();
     let result = infer_once(state, name, version, headers, body).await;
     if state.manager.info(name).is_ok() {
-        super::metrics::observe(name, "kserve", started, result.as_ref().map(drop).map_err(|e| &e.0));
+        crate::request::metrics::observe(
+            name,
+            "kserve",
+            started,
+            result.as_ref().map(drop).map_err(|e| &e.0),
+        );
     }
     result
 }
@@ -180,7 +183,7 @@ async fn infer_once(
     body: Body,
 ) -> Result<Response, AppError> {
     state.admit()?;
-    let info = model(state, name, version)?;
+    let info = state.model(name, version)?;
     let mut charge = state.request_memory.charge();
     let body = read_body(state, headers, body, state.settings.max_request_size, &mut charge).await?;
     let header_len = headers.get(HEADER_LEN).map(|v| v.to_str().unwrap_or("?"));
@@ -299,17 +302,6 @@ async fn repository_index(
         })
         .collect();
     Ok(ok_json(json!(list)))
-}
-
-/// A model's state in the repository index (REST and gRPC), with the reason.
-pub fn index_state(s: &snooze_core::lifecycle::ModelStatus) -> (&'static str, String) {
-    match s.state {
-        StateName::Ready => ("READY", String::new()),
-        StateName::Loading => ("LOADING", String::new()),
-        StateName::Unloading => ("UNLOADING", String::new()),
-        StateName::Unloaded => ("UNAVAILABLE", "unloaded; loads on its first request".to_string()),
-        StateName::Failed => ("UNAVAILABLE", s.last_error.clone().unwrap_or_default()),
-    }
 }
 
 /// The body of a repository load/unload (its parameters are optional; when present

@@ -1,9 +1,9 @@
-//! Errors on the wire: one [`ErrorKind`] → one HTTP status (the ARCHITECTURE table),
-//! and every error body JSON — ours, axum's own rejections (bad path encoding, wrong
+//! Errors on the HTTP wire: the status from the shared table (`request::errors`), and
+//! every error body JSON — ours, axum's own rejections (bad path encoding, wrong
 //! method, unknown route) and panics alike. KServe and admin paths answer
 //! `{"error": "...", "code": "..."}`, `/v1/*` answers OpenAI's error object.
 
-use std::{any::Any, time::Duration};
+use std::any::Any;
 
 use axum::{
     body::Body,
@@ -16,8 +16,7 @@ use axum::{
 use serde_json::{json, Value};
 use snooze_core::{ErrorKind, SnoozeError};
 
-/// `Retry-After` of a 503 or 429 that carries no better estimate.
-const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(5);
+use crate::request::errors::{retry_after_secs, status_of};
 
 /// The one error type of every KServe and admin handler.
 pub struct AppError(pub SnoozeError);
@@ -26,43 +25,6 @@ impl From<SnoozeError> for AppError {
     fn from(e: SnoozeError) -> Self {
         AppError(e)
     }
-}
-
-/// The ARCHITECTURE table: one error kind, one HTTP status and one gRPC code, for
-/// every protocol (REST handlers through [`status_of`], gRPC through `grpc::status`).
-pub fn wire_codes(e: &SnoozeError) -> (StatusCode, tonic::Code) {
-    use tonic::Code;
-    match e.kind {
-        ErrorKind::ModelNotFound => (StatusCode::NOT_FOUND, Code::NotFound),
-        ErrorKind::InvalidInput => (StatusCode::BAD_REQUEST, Code::InvalidArgument),
-        ErrorKind::PayloadTooLarge => (StatusCode::PAYLOAD_TOO_LARGE, Code::ResourceExhausted),
-        ErrorKind::RequestTimeout => (StatusCode::REQUEST_TIMEOUT, Code::DeadlineExceeded),
-        ErrorKind::Conflict => (StatusCode::CONFLICT, Code::Aborted),
-        ErrorKind::QueueFull => (StatusCode::TOO_MANY_REQUESTS, Code::ResourceExhausted),
-        ErrorKind::Overloaded | ErrorKind::InsufficientMemory | ErrorKind::ShuttingDown => {
-            (StatusCode::SERVICE_UNAVAILABLE, Code::Unavailable)
-        }
-        ErrorKind::ModelFailed if e.retry_after.is_some() => {
-            (StatusCode::SERVICE_UNAVAILABLE, Code::Unavailable)
-        }
-        ErrorKind::ModelFailed | ErrorKind::Inference | ErrorKind::Internal => {
-            (StatusCode::INTERNAL_SERVER_ERROR, Code::Internal)
-        }
-        ErrorKind::Unauthorized => (StatusCode::UNAUTHORIZED, Code::Unauthenticated),
-    }
-}
-
-/// The HTTP column of [`wire_codes`].
-pub fn status_of(e: &SnoozeError) -> StatusCode {
-    wire_codes(e).0
-}
-
-/// Seconds of `Retry-After` for `e`: its own estimate, else the default for refusals
-/// (503, 429), else none.
-pub fn retry_after_secs(e: &SnoozeError) -> Option<u64> {
-    let refused = matches!(status_of(e), StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS);
-    let after = e.retry_after.or(refused.then_some(DEFAULT_RETRY_AFTER))?;
-    Some(after.as_secs_f64().ceil().max(1.0) as u64)
 }
 
 /// The response for `e` with `body`: its status, `Retry-After` on every 503 and on any

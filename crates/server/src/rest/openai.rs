@@ -284,7 +284,7 @@ async fn embeddings(State(state): State<AppState>, headers: HeaderMap, body: Bod
     let mut model = None;
     let result = embed_once(&state, headers, body, &mut model).await;
     if let Some(m) = &model {
-        super::metrics::observe(m, "openai", started, result.as_ref().map(drop).map_err(|e| &e.0));
+        crate::request::metrics::observe(m, "openai", started, result.as_ref().map(drop).map_err(|e| &e.0));
     }
     let mut response = result.unwrap_or_else(IntoResponse::into_response);
     if let Some(value) = model.and_then(|m| HeaderValue::from_str(&m).ok()) {

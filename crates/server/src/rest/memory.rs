@@ -105,7 +105,11 @@ async fn stats(State(state): State<AppState>) -> Response {
         "alerts": pressure.active_alerts().collect::<Vec<_>>(),
         "recommendations": recommendations(&status, state.memory.budget_bytes, state.memory.baseline_bytes, state.settings.headroom)
             .into_iter()
-            .chain(super::auth::exposure_warning(&state.settings.http_address, state.settings.admin_token.as_deref()))
+            .chain(crate::request::auth::exposure_warning(
+                &state.settings.http_address,
+                state.settings.admin_token.is_some(),
+                state.keys.enabled(),
+            ))
             .collect::<Vec<_>>(),
         "unloads": state.manager.unload_audit(),
         "requests_in_flight": {

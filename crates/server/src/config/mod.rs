@@ -1,0 +1,267 @@
+//! `snooze.toml`: the `[server]` table (`settings`) and one `[models.NAME]` table per
+//! model (`models`).
+//!
+//! Precedence is flag > `SNOOZE_<KEY>` env > file > default. clap already merges a
+//! flag with its env var (see `main.rs`); this module lays the result over the file.
+//! Everything is validated before the server starts: a bad value stops the start
+//! with the key's name and the reason, and nothing is half-applied.
+
+mod models;
+mod settings;
+
+use std::{
+    collections::BTreeMap,
+    fmt,
+    path::{Path, PathBuf},
+};
+
+use serde::Deserialize;
+
+pub use models::{discover, Backend, ModelSettings, RawModel};
+pub use settings::{
+    settings_table, MemoryLimit, Origin, RawServer, Scalar, ServerKey, ServerSettings, Setting, SERVER_KEYS,
+};
+
+/// The config served when no file is given: the demo models `make prepare` builds.
+pub const DEFAULT_CONFIG: &str = include_str!("../default.toml");
+
+/// The file as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileText {
+    #[serde(default)]
+    server: BTreeMap<String, Scalar>,
+    #[serde(default)]
+    models: BTreeMap<String, RawModel>,
+}
+
+/// A parsed file: its `[server]` values (unknown keys are refused in [`resolve`]) and its
+/// models, before validation.
+#[derive(Debug, Default)]
+pub struct FileConfig {
+    pub server: RawServer,
+    pub models: BTreeMap<String, RawModel>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub server: ServerSettings,
+    pub models: Vec<ModelSettings>,
+}
+
+/// A refusal naming the key and the reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+pub(crate) fn err(key: &str, reason: impl fmt::Display) -> ConfigError {
+    ConfigError(format!("invalid config: {key}: {reason}"))
+}
+
+/// Parses TOML text; unknown keys and wrong types are errors naming the key.
+pub fn parse_file(text: &str, origin: &str) -> Result<FileConfig, ConfigError> {
+    let file: FileText = toml::from_str(text)
+        .map_err(|e| ConfigError(format!("invalid config {origin}: {}", e.to_string().trim())))?;
+    let server = file.server.into_iter().map(|(k, v)| (k, (v.to_string(), Origin::File(origin.to_string()))));
+    Ok(FileConfig { server: RawServer(server.collect()), models: file.models })
+}
+
+/// Validates `file` with `overrides` (flags/env) on top; `base` resolves relative paths.
+pub fn resolve(
+    mut file: FileConfig,
+    overrides: RawServer,
+    model_dir_flag: Option<PathBuf>,
+    base: &Path,
+) -> Result<Config, ConfigError> {
+    file.server.merge(overrides);
+    let s = &file.server;
+    if let Some(unknown) = s.0.keys().find(|k| !SERVER_KEYS.iter().any(|key| key.name == k.as_str())) {
+        return Err(err(
+            &format!("[server] {unknown}"),
+            "unknown key (see the README's list of [server] keys)",
+        ));
+    }
+    let mut server = ServerSettings::from_layers(s)?;
+    server.thresholds().validate().map_err(|e| err("[server] memory_*_threshold", e))?;
+    server.state_dir = base.join(&server.state_dir);
+    if let Some(file) = &server.api_keys_file {
+        let file = base.join(file);
+        crate::request::auth::read_keys_file(&file).map_err(|e| err("[server] api_keys_file", e))?;
+        server.api_keys_file = Some(file);
+    }
+    if let Some(flag) = model_dir_flag {
+        server.model_dir = Some(flag);
+    }
+
+    let mut models = Vec::new();
+    for (name, raw) in &file.models {
+        models.push(models::model_settings(name, raw, &server, base)?);
+    }
+    if let Some(dir) = &server.model_dir {
+        for (name, path) in discover(&base.join(dir))? {
+            if models.iter().any(|m| m.name == name) {
+                continue; // an explicit [models.NAME] entry wins over discovery
+            }
+            let raw = RawModel { path: Some(path), ..RawModel::default() };
+            models.push(models::model_settings(&name, &raw, &server, base)?);
+        }
+    }
+    models.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(Config { server, models })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use snooze_core::units::KeepAlive;
+
+    use super::*;
+
+    fn dir() -> PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "snooze-config-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        std::fs::create_dir_all(d.join("repo/a/1")).unwrap();
+        std::fs::create_dir_all(d.join("repo/b")).unwrap();
+        std::fs::create_dir_all(d.join("repo/not-a-model")).unwrap();
+        std::fs::write(d.join("repo/a/1/model.onnx"), b"x").unwrap();
+        std::fs::write(d.join("repo/b/model.onnx"), b"x").unwrap();
+        d
+    }
+
+    fn load(text: &str, overrides: RawServer) -> Result<Config, ConfigError> {
+        resolve(parse_file(text, "test")?, overrides, None, &dir())
+    }
+
+    #[test]
+    fn defaults() {
+        let c = load("", RawServer::default()).unwrap();
+        assert_eq!(c.server.http_address, "127.0.0.1:8080");
+        assert_eq!(c.server.host_memory_limit, MemoryLimit::Auto);
+        assert_eq!(c.server.keep_alive, KeepAlive::For(Duration::from_secs(300)));
+        assert_eq!(c.server.min_residency, Duration::ZERO);
+        assert_eq!(c.server.queue_timeout, Duration::from_secs(30));
+        assert_eq!(c.server.max_swap_delay, Duration::from_millis(200));
+        assert_eq!(c.server.retry_after, Duration::from_secs(5));
+        assert_eq!(c.server.shutdown_timeout, Duration::from_secs(30));
+        assert_eq!(c.server.max_loaded_models, 0);
+    }
+
+    #[test]
+    fn overrides_win_over_the_file() {
+        let text = "[server]\nkeep_alive = \"1m\"\nheadroom = \"10MiB\"\n";
+        let mut over = RawServer::default();
+        over.set("keep_alive", "-1");
+        let c = load(text, over).unwrap();
+        assert_eq!(c.server.keep_alive, KeepAlive::Forever);
+        assert_eq!(c.server.headroom, 10 << 20);
+    }
+
+    #[test]
+    fn models_and_discovery() {
+        let text = "[server]\nmodel_dir = \"repo\"\n[models.b]\npath = \"repo/b\"\nmemory = \"200MiB\"\npinned = true\nkeep_alive = 0\n";
+        let c = load(text, RawServer::default()).unwrap();
+        let names: Vec<_> = c.models.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["a", "b"]);
+        let b = &c.models[1];
+        assert_eq!(
+            (b.memory, b.pinned, b.keep_alive),
+            (Some(200 << 20), true, KeepAlive::For(Duration::ZERO))
+        );
+    }
+
+    #[test]
+    fn bad_values_name_the_key() {
+        let cases = [
+            ("[server]\nheadroom = \"-5MiB\"", "[server] headroom"),
+            ("[server]\nhost_memory_limit = \"12 parsecs\"", "[server] host_memory_limit"),
+            ("[server]\nkeep_alive = \"-3s\"", "[server] keep_alive"),
+            ("[server]\nmax_loaded_models = -1", "[server] max_loaded_models"),
+            ("[server]\nhttp_address = \"nowhere\"", "[server] http_address"),
+            ("[server]\nbogus = 1", "bogus"),
+            ("[models.x]\npath = \"missing.onnx\"", "[models.x] path"),
+            ("[models.x]\npath = \"repo/b\"\nbackend = \"tf\"", "[models.x] backend"),
+            ("[models.x]\npath = \"repo/b\"\nmemory = \"lots\"", "[models.x] memory"),
+            ("[models.x]\npath = \"repo/b\"\ncolour = \"red\"", "colour"),
+            ("[models.x]\npath = \"repo/b\"\ndevices = [\"tpu\"]", "[models.x] devices"),
+            ("[models.x]\npath = \"repo/b\"\nmax_batch_size = 0", "[models.x] max_batch_size"),
+            ("[models.x]\npath = \"repo/b\"\nmax_queue = \"lots\"", "[models.x] max_queue"),
+            ("[models.x]\npath = \"repo/b\"\nmax_concurrency = 0", "[models.x] max_concurrency"),
+            ("[models.x]\npath = \"repo/b\"\npriority = \"urgent\"", "[models.x] priority"),
+            ("[models.x]\npath = \"repo/b\"\nbatch_delay = \"soon\"", "[models.x] batch_delay"),
+            ("[models.x]\npath = \"repo/b\"\nweights = \"light\"", "[models.x] weights"),
+            ("[server]\nqueue_timeout = \"0s\"", "[server] queue_timeout"),
+            ("[server]\nintra_op_spinning = \"maybe\"", "[server] intra_op_spinning"),
+            ("[server]\nmemory_warning_threshold = 1.5", "[server] memory_warning_threshold"),
+            ("[server]\nmemory_warning_threshold = 0.9\nmemory_critical_threshold = 0.85", "threshold"),
+            ("[server]\nlow_ram_mode = \"maybe\"", "[server] low_ram_mode"),
+            ("[server]\nbody_read_timeout = \"0s\"", "[server] body_read_timeout"),
+            ("[server]\nmax_connections = 0", "[server] max_connections"),
+            ("[server]\nmax_inflight_request_bytes = \"lots\"", "[server] max_inflight_request_bytes"),
+        ];
+        for (text, key) in cases {
+            let e = load(text, RawServer::default()).unwrap_err();
+            assert!(e.0.contains(key), "{text:?} -> {e}");
+        }
+    }
+
+    /// The README's table is [`settings_table`]; `SNOOZE_BLESS=1` rewrites it.
+    #[test]
+    fn the_readme_settings_table_is_generated_from_the_keys() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md");
+        let readme = std::fs::read_to_string(&path).expect("README.md");
+        let (start, end) = ("<!-- server-settings:start -->\n", "<!-- server-settings:end -->");
+        let a = readme.find(start).expect("README lacks the server-settings:start marker") + start.len();
+        let b = readme.find(end).expect("README lacks the server-settings:end marker");
+        let table = settings_table();
+        if readme[a..b] != table {
+            if std::env::var_os("SNOOZE_BLESS").is_some() {
+                std::fs::write(&path, format!("{}{table}{}", &readme[..a], &readme[b..]))
+                    .expect("write README");
+            } else {
+                panic!("README's [server] table is stale: run `SNOOZE_BLESS=1 cargo test -p snooze-server the_readme_settings_table`");
+            }
+        }
+    }
+
+    #[test]
+    fn errors_say_where_the_value_came_from() {
+        let mut over = RawServer::default();
+        over.set_from("idle_timeout", "0s", Origin::Env);
+        let e = load("", over).unwrap_err().0;
+        assert!(
+            e.contains("[server] idle_timeout = \"0s\" (from env SNOOZE_IDLE_TIMEOUT): must be more than 0"),
+            "{e}"
+        );
+        let e = load("", RawServer::default().set("headroom", "x").clone()).unwrap_err().0;
+        assert!(e.contains("(from flag --headroom)"), "{e}");
+        let e = resolve(
+            parse_file("[server]\nkeep_alive = \"soon\"", "a/snooze.toml").unwrap(),
+            RawServer::default(),
+            None,
+            &dir(),
+        )
+        .unwrap_err()
+        .0;
+        assert!(e.contains("[server] keep_alive = \"soon\" (from a/snooze.toml)"), "{e}");
+        let e = load("[server]\nadmin_token = 5", RawServer::default());
+        assert!(e.is_ok(), "a token is any text");
+    }
+
+    #[test]
+    fn every_default_parses_and_every_key_has_help() {
+        let c = load("", RawServer::default()).unwrap();
+        assert_eq!(c.server.thresholds().critical, 0.95);
+        for k in SERVER_KEYS {
+            assert!(k.help().len() > 10 && !k.help().contains('\n'), "{}", k.name);
+        }
+    }
+
+    #[test]
+    fn the_embedded_default_parses() {
+        parse_file(DEFAULT_CONFIG, "default").unwrap();
+    }
+}

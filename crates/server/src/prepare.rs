@@ -1,0 +1,67 @@
+//! One-time preparations (ORT-format and prepacked copies) in a child process: the
+//! `snooze prepare-model` the server starts for each one, in the background.
+//!
+//! A conversion holds 2-3x its model for a second or more. In the server's own process
+//! that memory would mix with what the server measures — a load or a run beside it
+//! could not be told from it — and the heap it leaves is not always given back. In a
+//! child, the server's measurements stay true, the memory is all returned when the child
+//! exits, and the child runs at a lower CPU priority (nice 10) than requests. Its peak is
+//! still accounted by the scheduler while it runs, and a memory cgroup sees it as ours.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+};
+
+use snooze_core::{Backend, LoadError, LoadSpec, Preparer};
+
+/// Runs `snooze prepare-model` (this executable) for each preparation.
+#[derive(Debug, Clone)]
+pub struct ChildPreparer {
+    exe: PathBuf,
+    state_dir: PathBuf,
+    intra_op_threads: usize,
+}
+
+impl ChildPreparer {
+    pub fn new(state_dir: &Path, intra_op_threads: usize) -> Result<ChildPreparer, String> {
+        let exe = std::env::current_exe().map_err(|e| format!("cannot find the snooze executable: {e}"))?;
+        Ok(ChildPreparer { exe, state_dir: state_dir.to_path_buf(), intra_op_threads })
+    }
+}
+
+impl Preparer for ChildPreparer {
+    fn prepare(&self, backend: &dyn Backend, spec: &LoadSpec) -> Result<(), LoadError> {
+        let child = Command::new(&self.exe)
+            .arg("prepare-model")
+            .args(["--backend", backend.name(), "--weights", spec.weights.as_str()])
+            .arg("--path")
+            .arg(&spec.path)
+            .arg("--state-dir")
+            .arg(&self.state_dir)
+            .args(["--intra-op-threads", &self.intra_op_threads.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| {
+                LoadError::Failed(format!("cannot start {} prepare-model: {e}", self.exe.display()))
+            })?;
+        // Below requests: raising a child's nice value needs no privilege.
+        // SAFETY: setpriority on our own child's pid changes only its nice value.
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, child.id() as libc::id_t, 10) };
+        let out = child
+            .wait_with_output()
+            .map_err(|e| LoadError::Failed(format!("prepare-model for '{}' was lost: {e}", spec.name)))?;
+        if out.status.success() {
+            return Ok(());
+        }
+        let err = String::from_utf8_lossy(&out.stderr);
+        let why = err.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no message").trim().to_string();
+        Err(LoadError::Failed(format!("preparing model '{}' failed ({}): {why}", spec.name, out.status)))
+    }
+
+    fn in_process(&self) -> bool {
+        false
+    }
+}
