@@ -105,6 +105,15 @@ impl PageGeometry {
 /// The detector's input for `image`; `None` when the limit resize leaves no pixels
 /// (rapidocr then finds nothing).
 pub fn det_input(image: &BgrImage, options: &OcrOptions) -> Option<Tensor> {
+    let (rw, rh) = det_input_size(image, options)?;
+    let mut data = vec![0f32; 3 * rw * rh];
+    write_det_input(&mut data, image, rw, rh);
+    Some(Tensor::new("x", vec![1, 3, rh as i64, rw as i64], TensorData::Fp32(data)))
+}
+
+/// The `(width, height)` of the detector's input for `image`: `limit_side_len`
+/// applied, rounded to multiples of 32; `None` when that leaves no pixels.
+pub(crate) fn det_input_size(image: &BgrImage, options: &OcrOptions) -> Option<(usize, usize)> {
     let (w, h) = (image.width(), image.height());
     let limit = options.limit_side_len as f64;
     let ratio = match options.limit_type {
@@ -114,24 +123,20 @@ pub fn det_input(image: &BgrImage, options: &OcrOptions) -> Option<Tensor> {
     };
     let rw = round_to_32((w as f64 * ratio) as usize);
     let rh = round_to_32((h as f64 * ratio) as usize);
-    if rw == 0 || rh == 0 {
-        return None;
-    }
-    let resized = resize_linear(image, rw, rh);
-    Some(Tensor::new("x", vec![1, 3, rh as i64, rw as i64], TensorData::Fp32(normalize_planes(&resized))))
+    (rw != 0 && rh != 0).then_some((rw, rh))
 }
 
-/// The image as three planes (B, G, R) of `(v / 255 - 0.5) / 0.5`.
-pub(crate) fn normalize_planes(image: &BgrImage) -> Vec<f32> {
-    let plane = image.width() * image.height();
-    let mut out = vec![0f32; plane * 3];
+/// One page of a detector batch: `image` resized to `width` x `height` and normalised
+/// into `out` (`3 * width * height` values, three planes B, G, R).
+pub(crate) fn write_det_input(out: &mut [f32], image: &BgrImage, width: usize, height: usize) {
+    let resized = resize_linear(image, width, height);
+    let plane = width * height;
     let table: Vec<f32> = (0..=255u8).map(normalize).collect();
-    for (i, px) in image.data().chunks_exact(3).enumerate() {
+    for (i, px) in resized.data().chunks_exact(3).enumerate() {
         for c in 0..3 {
             out[c * plane + i] = table[usize::from(px[c])];
         }
     }
-    out
 }
 
 /// rapidocr's detector normalisation of one 8-bit value.

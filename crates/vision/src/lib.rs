@@ -30,6 +30,7 @@ mod det;
 mod document;
 mod error;
 pub mod geometry;
+pub mod jobs;
 mod limits;
 mod options;
 mod page;

@@ -27,8 +27,7 @@ pub struct CtcDecoder {
 /// The recogniser's input for one batch of crops: `[n, 3, 48, W]` f32 with
 /// `W = int(48 * max(320/48, the widest crop's ratio))`.
 pub fn rec_input(crops: &[&BgrImage]) -> Tensor {
-    let max_ratio = crops.iter().map(|c| ratio(c)).fold(REC_MIN_WIDTH as f64 / REC_HEIGHT as f64, f64::max);
-    let width = (REC_HEIGHT as f64 * max_ratio) as usize;
+    let width = rec_batch_width(crops.iter().copied());
     let per = 3 * REC_HEIGHT * width;
     let mut data = vec![0f32; per * crops.len()];
     for (i, crop) in crops.iter().enumerate() {
@@ -36,6 +35,13 @@ pub fn rec_input(crops: &[&BgrImage]) -> Tensor {
     }
     let shape = vec![crops.len() as i64, 3, REC_HEIGHT as i64, width as i64];
     Tensor::new("x", shape, TensorData::Fp32(data))
+}
+
+/// The width `W` a batch of these crops is padded to (see [`rec_input`]): crops whose
+/// batches have equal widths see the same input whichever of them share a run.
+pub(crate) fn rec_batch_width<'a>(crops: impl IntoIterator<Item = &'a BgrImage>) -> usize {
+    let max_ratio = crops.into_iter().map(ratio).fold(REC_MIN_WIDTH as f64 / REC_HEIGHT as f64, f64::max);
+    (REC_HEIGHT as f64 * max_ratio) as usize
 }
 
 /// Python's `round(v, 5)` for the probabilities rapidocr averages.
@@ -65,6 +71,17 @@ impl CtcDecoder {
 
     /// `(text, score)` per crop from an `[n, T, C]` output.
     pub fn decode(&self, output: &Tensor, expected: usize) -> Result<Vec<(String, f32)>, VisionError> {
+        self.decode_rows(output, expected, 0..expected)
+    }
+
+    /// `(text, score)` for the crops at `rows` of the `[expected, T, C]` output of a
+    /// batch shared with other jobs' crops.
+    pub(crate) fn decode_rows(
+        &self,
+        output: &Tensor,
+        expected: usize,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Vec<(String, f32)>, VisionError> {
         let TensorData::Fp32(values) = &output.data else {
             return Err(VisionError::model_output(
                 "recogniser",
@@ -94,8 +111,14 @@ impl CtcDecoder {
                 "its output holds fewer values than its shape",
             ));
         }
-        let mut out = Vec::with_capacity(expected);
-        for item in values.chunks_exact((steps * classes).max(1)).take(expected) {
+        if rows.end > expected {
+            return Err(VisionError::model_output(
+                "recogniser",
+                format!("its output has {expected} rows where crops {rows:?} were asked for"),
+            ));
+        }
+        let mut out = Vec::with_capacity(rows.len());
+        for item in values.chunks_exact((steps * classes).max(1)).skip(rows.start).take(rows.len()) {
             let mut text = String::new();
             let mut kept = Vec::new();
             let mut previous = usize::MAX;
