@@ -43,13 +43,7 @@ pub struct Word {
     pub end: f64,
 }
 
-/// What was asked of the model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Task {
-    Transcribe,
-    Translate,
-}
+pub use crate::whisper::Task;
 
 /// A finished transcription.
 #[derive(Debug, Clone, PartialEq)]

@@ -10,5 +10,7 @@
 
 pub mod audio;
 pub mod format;
+pub mod languages;
 pub mod mel;
+pub mod openai;
 pub mod whisper;

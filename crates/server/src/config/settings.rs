@@ -136,6 +136,10 @@ server_settings! {
     max_embedding_inputs: usize = "256";
     /// Longest embedding text in characters, and longest token-id list (longer: 400).
     max_input_chars: usize = "100000";
+    /// Longest audio a transcription takes, in seconds, counted while decoding (never read
+    /// from a header); longer: 413 naming it. An hour is transcribed window by window
+    /// holding its upload plus a few MB.
+    max_audio_seconds: usize = "10800", check at_least_one;
     /// RSS / budget that records an alert.
     memory_warning_threshold: f64 = "0.80";
     /// Loads must evict first; low-priority requests get 503.

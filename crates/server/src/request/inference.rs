@@ -111,6 +111,9 @@ pub async fn run(
     if info.task == Task::Embedding {
         check_text_lengths(state, &inputs)?;
     }
+    if info.task == Task::Transcription {
+        return transcribe_files(state, info, inputs, priority).await;
+    }
     let decoded: u64 = inputs.iter().map(|t| t.data.byte_size() as u64).sum();
     charge.grow(decoded.saturating_mul(2))?;
     let large = charge.bytes() >= LARGE_REQUEST;
@@ -120,4 +123,42 @@ pub async fn run(
         tokio::task::spawn_blocking(snooze_core::memory::trim_heap);
     }
     result
+}
+
+/// A speech model over KServe: every element of its BYTES input is an audio file; each
+/// is transcribed as `/v1/audio/transcriptions` would (default options), all at once so
+/// their decoder steps share slices, and the texts come back as the `text` output.
+async fn transcribe_files(
+    state: &AppState,
+    info: &ModelInfo,
+    inputs: Vec<Tensor>,
+    priority: Option<Priority>,
+) -> Result<Vec<Tensor>, SnoozeError> {
+    let [input] = <[Tensor; 1]>::try_from(inputs).map_err(|inputs| {
+        SnoozeError::invalid(format!(
+            "model '{}' takes one BYTES input of audio files, not {} inputs",
+            info.name,
+            inputs.len()
+        ))
+    })?;
+    let TensorData::Bytes(files) = input.data else {
+        return Err(SnoozeError::invalid(format!(
+            "input '{}' must be BYTES (audio files), not {}",
+            input.name,
+            input.data.datatype()
+        )));
+    };
+    let jobs = files
+        .into_iter()
+        .map(|file| super::speech::transcribe(state, info, file.into(), Default::default(), priority));
+    let mut texts = Vec::new();
+    for (i, result) in futures_util::future::join_all(jobs).await.into_iter().enumerate() {
+        let result = result.map_err(|e| SnoozeError {
+            message: format!("audio file {i}: {}", e.error.message),
+            ..e.error
+        })?;
+        texts.push(result.text().into_bytes());
+    }
+    let n = texts.len() as i64;
+    Ok(vec![Tensor::new(snooze_speech::whisper::TEXT_OUTPUT, vec![n], TensorData::Bytes(texts))])
 }

@@ -13,6 +13,7 @@ pub mod errors;
 pub mod inference;
 pub mod memory;
 pub mod metrics;
+pub mod speech;
 
 use std::{
     sync::{

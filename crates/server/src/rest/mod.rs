@@ -9,6 +9,7 @@
 //! leaves as JSON (`error`).
 
 pub mod admin;
+pub mod audio;
 pub mod auth;
 pub mod body;
 pub mod dashboard;
@@ -36,6 +37,7 @@ pub fn router(state: AppState) -> Router {
     let inference = Router::new()
         .merge(kserve::routes())
         .merge(openai::routes())
+        .merge(audio::routes())
         .route_layer(middleware::from_fn_with_state(state.clone(), auth::require_api_key));
     Router::new()
         .merge(kserve::health_routes())

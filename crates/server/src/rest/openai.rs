@@ -34,6 +34,11 @@ pub fn routes() -> Router<AppState> {
 pub struct OpenAiError(SnoozeError, Option<&'static str>);
 
 impl OpenAiError {
+    /// `e`, naming the request field `param` it is about.
+    pub fn about(param: &'static str, e: SnoozeError) -> OpenAiError {
+        OpenAiError(e, Some(param).filter(|p| !p.is_empty()))
+    }
+
     pub fn error(&self) -> &SnoozeError {
         &self.0
     }
@@ -295,7 +300,7 @@ async fn embeddings(State(state): State<AppState>, headers: HeaderMap, body: Bod
 
 /// The model a request names: its body's `model`, else the `x-snooze-model` header;
 /// when both are given they must agree.
-fn requested_model(body: Option<String>, headers: &HeaderMap) -> Result<String, OpenAiError> {
+pub(super) fn requested_model(body: Option<String>, headers: &HeaderMap) -> Result<String, OpenAiError> {
     let header = match headers.get(MODEL_HEADER) {
         None => None,
         Some(v) => Some(

@@ -9,8 +9,9 @@ use tokenizers::Tokenizer;
 
 use super::config::{SpecialTokens, WhisperConfig};
 
-/// What a window is asked to do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// What a window is asked to do (and, in `verbose_json`, what was asked: lower case).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Task {
     #[default]
     Transcribe,

@@ -1,0 +1,120 @@
+//! A transcription request as OpenAI's API asks for it (`/v1/audio/transcriptions` and
+//! `/translations`): its options checked against the model, the upload checked and
+//! opened as a stream of log-mel windows behind a [`Transcription`] job, and the job's
+//! result as the transcript the API answers with. Engine- and transport-neutral: the
+//! server's handlers only parse their wire format around these.
+
+use bytes::Bytes;
+
+use crate::{
+    audio::{self, AudioError, AudioInfo, AudioLimits, AudioStream},
+    format::{self, Transcript},
+    languages,
+    mel::LogMelWindows,
+    whisper::{Task, Transcription, TranscriptionOptions, TranscriptionResult, WhisperConfig},
+};
+
+/// What a request asked, before it is checked against the model.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Request {
+    /// A code (`en`) or a name (`english`); `None`: detected (multilingual models).
+    pub language: Option<String>,
+    /// Text that comes before the audio (names, spellings, style).
+    pub prompt: Option<String>,
+    /// 0: greedy, raised by Whisper's fallback rules while an attempt fails them; above 0:
+    /// sampled from there, raised the same way.
+    pub temperature: f32,
+    pub task: Task,
+}
+
+/// The job's options for `request` on the model `config` describes; an error is a
+/// sentence naming the field (`language`, `temperature`) that the model cannot take.
+pub fn options(
+    config: &WhisperConfig,
+    request: &Request,
+) -> Result<TranscriptionOptions, (&'static str, String)> {
+    let t = request.temperature;
+    if !(0.0..=1.0).contains(&t) || t.is_nan() {
+        return Err(("temperature", format!("temperature {t} is not between 0 and 1")));
+    }
+    let language = match request.language.as_deref().map(str::trim).filter(|l| !l.is_empty()) {
+        None => None,
+        Some(given) => {
+            let code = languages::code(given)
+                .ok_or_else(|| ("language", format!("'{given}' is not a language Whisper knows")))?;
+            if config.language(code).is_none() {
+                return Err((
+                    "language",
+                    format!("this model is English-only: it cannot transcribe '{given}' (use a multilingual model)"),
+                ));
+            }
+            Some(code.to_string())
+        }
+    };
+    if request.task == Task::Translate && !config.multilingual {
+        return Err((
+            "model",
+            "this model is English-only: it cannot translate (use a multilingual model)".into(),
+        ));
+    }
+    // OpenAI's temperature 0 is faster-whisper's fallback ladder from 0; a higher one
+    // starts the ladder there.
+    let mut temperatures = vec![t];
+    let mut next = t + 0.2;
+    while next <= 1.0 + 1e-6 {
+        temperatures.push(next.min(1.0));
+        next += 0.2;
+    }
+    Ok(TranscriptionOptions {
+        language,
+        task: request.task,
+        initial_prompt: request.prompt.clone().filter(|p| !p.trim().is_empty()),
+        temperatures,
+        ..TranscriptionOptions::default()
+    })
+}
+
+/// Opens an upload for transcription: decodes it once, counting (never trusting a
+/// header) and refusing what is not audio or longer than `limits` allow, then returns
+/// the job that streams it window by window. Decodes the whole file: call it where
+/// blocking is fine.
+pub fn open(
+    bytes: Bytes,
+    limits: &AudioLimits,
+    config: &WhisperConfig,
+    options: TranscriptionOptions,
+) -> Result<(Transcription, AudioInfo), AudioError> {
+    let info = audio::probe(bytes.clone(), limits)?;
+    let peak = info.log_mel_peaks.get(config.n_mels).ok_or_else(|| {
+        AudioError::Internal(format!("no log-mel features for a model of {} mel bands", config.n_mels))
+    })?;
+    let stream = AudioStream::open(bytes, limits)?;
+    let windows = LogMelWindows::new(stream, config.n_mels, peak);
+    Ok((Transcription::new(Box::new(windows), info.duration_seconds(), options), info))
+}
+
+/// The job's result as OpenAI answers it: the language by name (`english`; always
+/// `english` for a translation), the segments with their decoding figures.
+pub fn transcript(result: &TranscriptionResult, task: Task) -> Transcript {
+    let language = match task {
+        Task::Translate => "english".to_string(),
+        Task::Transcribe => languages::name(&result.language).to_string(),
+    };
+    let segments = result
+        .segments
+        .iter()
+        .map(|s| format::Segment {
+            id: u32::try_from(s.id).unwrap_or(u32::MAX),
+            seek: s.seek,
+            start: s.start,
+            end: s.end,
+            text: s.text.clone(),
+            tokens: s.tokens.clone(),
+            temperature: s.temperature,
+            avg_logprob: s.avg_logprob as f32,
+            compression_ratio: s.compression_ratio as f32,
+            no_speech_prob: s.no_speech_prob as f32,
+        })
+        .collect();
+    Transcript::from_segments(task, language, result.duration, segments)
+}
