@@ -295,6 +295,13 @@ pub fn resolve_model_file(path: &Path) -> Result<PathBuf, String> {
     Err(format!("model path {} does not exist", path.display()))
 }
 
+/// An entry of the `metadata_props` of the model at `path` (a PP-OCR recogniser keeps
+/// its dictionary under `character`), read from the file without loading it.
+pub fn model_metadata(path: &Path, key: &str) -> Result<Option<String>, String> {
+    let file = resolve_model_file(path)?;
+    ModelFile::metadata(&file, key).map_err(|e| format!("{}: {e}", file.display()))
+}
+
 fn read_signature(file: &Path) -> Result<ModelSignature, LoadError> {
     ModelFile::read(file)
         .and_then(|m| m.signature())

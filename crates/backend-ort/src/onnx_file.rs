@@ -58,6 +58,32 @@ impl ModelFile {
         ModelFile::parse(&map)
     }
 
+    /// The value of the model's `metadata_props` entry `key` (ModelProto field 14:
+    /// StringStringEntryProto key = 1, value = 2), without walking the graph.
+    pub(crate) fn metadata(path: &Path, key: &str) -> Result<Option<String>, String> {
+        let file = File::open(path).map_err(|e| format!("cannot open: {e}"))?;
+        // SAFETY: as in `read`: a read-only map dropped before returning.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| format!("cannot map: {e}"))?;
+        for field in Fields::new(&map) {
+            if let (14, v) = field? {
+                let (mut k, mut value) = (None, None);
+                for entry in Fields::new(v.bytes(14)?) {
+                    match entry? {
+                        (1, e) => k = Some(e.bytes(1)?),
+                        (2, e) => value = Some(e.bytes(2)?),
+                        _ => {}
+                    }
+                }
+                if k == Some(key.as_bytes()) {
+                    let text = std::str::from_utf8(value.unwrap_or_default())
+                        .map_err(|_| format!("metadata '{key}' is not UTF-8"))?;
+                    return Ok(Some(text.to_owned()));
+                }
+            }
+        }
+        Ok(None)
+    }
+
     pub(crate) fn parse(buf: &[u8]) -> Result<ModelFile, String> {
         let mut model = ModelFile::default();
         let mut locations = HashSet::new();

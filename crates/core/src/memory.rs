@@ -306,8 +306,13 @@ mod tests {
         let dropped = process_rss_bytes();
         assert!(dropped + BLOCK * 9 / 10 <= holding, "the block went back: {holding} -> {dropped}");
 
+        // The kernel's RSS counters are per thread and settle lazily: readings taken
+        // moments apart may disagree by a few hundred KiB, far less than the block.
         let peak = peak_rss_bytes().expect("VmHWM");
-        assert!(peak >= holding, "the peak {peak} remembers the block after its drop ({holding} held)");
+        assert!(
+            peak >= before + BLOCK * 9 / 10,
+            "the peak {peak} forgot the block after its drop ({before} before it, {holding} with it)"
+        );
         reset_peak_rss();
         let now = process_rss_bytes();
         let reset = peak_rss_bytes().expect("VmHWM");
@@ -315,8 +320,7 @@ mod tests {
             reset + BLOCK / 2 <= peak,
             "after the reset the peak {reset} still remembers the block ({peak} before the reset)"
         );
-        // A page of slack: the kernel's RSS counters are per thread and settle lazily.
-        assert!(reset + 4096 * 64 >= now, "the peak {reset} is below the RSS {now} after the reset");
+        assert!(reset + (1 << 20) >= now, "the peak {reset} is below the RSS {now} after the reset");
     }
 
     #[test]

@@ -301,7 +301,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
         gpus: gpu_list,
     };
     request::metrics::register_models(config.models.iter().map(|m| m.name.as_str()));
-    let state = AppState::new(manager, s.clone(), memory);
+    let state = AppState::new(manager, s.clone(), memory, &config.pipelines);
     if state.keys.enabled() {
         match state.keys.reload() {
             Ok(n) => tracing::info!(keys = n, "inference endpoints need an API key"),

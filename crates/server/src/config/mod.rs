@@ -7,6 +7,7 @@
 //! with the key's name and the reason, and nothing is half-applied.
 
 mod models;
+mod pipelines;
 mod settings;
 
 use std::{
@@ -18,6 +19,7 @@ use std::{
 use serde::Deserialize;
 
 pub use models::{discover, Backend, ModelSettings, RawModel};
+pub use pipelines::{PipelineSettings, RawPipeline, DEFAULT_DPI, DEFAULT_PAGE_BATCH};
 pub use settings::{
     settings_table, MemoryLimit, Origin, RawServer, Scalar, ServerKey, ServerSettings, Setting, SERVER_KEYS,
 };
@@ -33,6 +35,8 @@ struct FileText {
     server: BTreeMap<String, Scalar>,
     #[serde(default)]
     models: BTreeMap<String, RawModel>,
+    #[serde(default)]
+    pipelines: BTreeMap<String, RawPipeline>,
 }
 
 /// A parsed file: its `[server]` values (unknown keys are refused in [`resolve`]) and its
@@ -41,12 +45,15 @@ struct FileText {
 pub struct FileConfig {
     pub server: RawServer,
     pub models: BTreeMap<String, RawModel>,
+    pub pipelines: BTreeMap<String, RawPipeline>,
 }
 
 #[derive(Debug, Clone)]
 pub struct Config {
     pub server: ServerSettings,
     pub models: Vec<ModelSettings>,
+    /// OCR pipelines over those models (`/v1/ocr`).
+    pub pipelines: Vec<PipelineSettings>,
 }
 
 /// A refusal naming the key and the reason.
@@ -63,7 +70,7 @@ pub fn parse_file(text: &str, origin: &str) -> Result<FileConfig, ConfigError> {
     let file: FileText = toml::from_str(text)
         .map_err(|e| ConfigError(format!("invalid config {origin}: {}", e.to_string().trim())))?;
     let server = file.server.into_iter().map(|(k, v)| (k, (v.to_string(), Origin::File(origin.to_string()))));
-    Ok(FileConfig { server: RawServer(server.collect()), models: file.models })
+    Ok(FileConfig { server: RawServer(server.collect()), models: file.models, pipelines: file.pipelines })
 }
 
 /// Validates `file` with `overrides` (flags/env) on top; `base` resolves relative paths.
@@ -107,7 +114,8 @@ pub fn resolve(
         }
     }
     models.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(Config { server, models })
+    let pipelines = pipelines::pipelines(&file.pipelines, &models)?;
+    Ok(Config { server, models, pipelines })
 }
 
 #[cfg(test)]

@@ -136,6 +136,13 @@ server_settings! {
     max_embedding_inputs: usize = "256";
     /// Longest embedding text in characters, and longest token-id list (longer: 400).
     max_input_chars: usize = "100000";
+    /// Most pixels an image or a rendered page may have (`/v1/ocr`), checked from the
+    /// image's header before any pixel is decoded; more: 413 naming it (a PDF page is
+    /// rendered at a lower DPI that fits instead, and the answer says so).
+    max_image_pixels: usize = "40000000", check at_least_one;
+    /// Most pages of a PDF or TIFF one `/v1/ocr` request may read (all pages, or those
+    /// its `pages` selects); more: 413 naming it.
+    max_pages: usize = "1000", check at_least_one;
     /// Longest audio a transcription takes, in seconds, counted while decoding (never read
     /// from a header); longer: 413 naming it. An hour is transcribed window by window
     /// holding its upload plus a few MB.

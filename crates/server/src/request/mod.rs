@@ -13,6 +13,7 @@ pub mod errors;
 pub mod inference;
 pub mod memory;
 pub mod metrics;
+pub mod ocr;
 pub mod speech;
 
 use std::{
@@ -45,6 +46,8 @@ pub struct Inner {
     pub request_memory: Arc<RequestMemory>,
     /// Who may call inference endpoints (`api_keys`), re-read on SIGHUP.
     pub keys: auth::ApiKeys,
+    /// The OCR pipelines (`/v1/ocr`).
+    pub pipelines: ocr::Pipelines,
     pub shutting_down: AtomicBool,
     pub started: SystemTime,
 }
@@ -57,10 +60,17 @@ impl std::ops::Deref for AppState {
 }
 
 impl AppState {
-    pub fn new(manager: ModelManager, settings: ServerSettings, memory: ServerMemory) -> AppState {
+    pub fn new(
+        manager: ModelManager,
+        settings: ServerSettings,
+        memory: ServerMemory,
+        pipelines: &[crate::config::PipelineSettings],
+    ) -> AppState {
         let inflight = settings.max_inflight_request_bytes.resolve(memory.budget_bytes);
         let keys = auth::ApiKeys::from_settings(&settings);
+        let pipelines = ocr::Pipelines::load(pipelines, manager.models());
         AppState(Arc::new(Inner {
+            pipelines,
             manager,
             request_memory: RequestMemory::new(inflight),
             keys,

@@ -17,6 +17,7 @@ pub mod error;
 pub mod kserve;
 pub mod memory;
 pub mod metrics;
+pub mod ocr;
 pub mod openai;
 
 use axum::{middleware, Router};
@@ -38,6 +39,7 @@ pub fn router(state: AppState) -> Router {
         .merge(kserve::routes())
         .merge(openai::routes())
         .merge(audio::routes())
+        .merge(ocr::routes())
         .route_layer(middleware::from_fn_with_state(state.clone(), auth::require_api_key));
     Router::new()
         .merge(kserve::health_routes())
