@@ -14,7 +14,9 @@ BINARY = os.environ.get("SNOOZE_BIN", os.path.join(ROOT, "target", "debug", "sno
 
 
 class Server:
-    """`with Server(config_toml) as s:` — s.base is http://127.0.0.1:PORT."""
+    """`with Server(config_toml) as s:` — s.base is http://127.0.0.1:PORT. Leaving the block
+    stops the server and closes its pipe and folder; `Server.for_class` does the same for a
+    test class, even when its setUpClass fails after the start."""
 
     def __init__(self, config: str, *args: str):
         self.config = config
@@ -47,22 +49,43 @@ class Server:
                 if m and not found.is_set():
                     self.addr = m.group(1)
                     found.set()
+            found.set()  # the process closed stderr: it exited, no need to wait on
 
-        threading.Thread(target=pump, daemon=True).start()
-        if not found.wait(30):
-            self.proc.kill()
+        self.addr = None
+        self.pump = threading.Thread(target=pump, daemon=True)
+        self.pump.start()
+        found.wait(30)
+        if self.addr is None:
+            self.stop(signal.SIGKILL)
             raise RuntimeError("server did not start:\n" + "".join(self.lines))
         self.base = f"http://{self.addr}"
         return self
 
     def __exit__(self, *exc):
-        self.proc.send_signal(signal.SIGTERM)
+        self.stop()
+        return False
+
+    @classmethod
+    def for_class(cls, test_class, config: str, *args: str) -> "Server":
+        """Starts a server for `test_class` (from its setUpClass), stopped by a class
+        cleanup: unittest runs those even when setUpClass raises after this call."""
+        server = cls(config, *args).__enter__()
+        test_class.addClassCleanup(server.stop)
+        return server
+
+    def stop(self, sig=signal.SIGTERM):
+        """Stops the process (SIGKILL after 30 s), then closes its stderr pipe once the
+        pump has read it to the end, and removes the temp folder. Safe to call twice."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
+        self.pump.join(10)
+        self.proc.stderr.close()
         self.tmp.cleanup()
-        return False
 
 
 def reference(model: str):

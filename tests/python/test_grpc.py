@@ -67,7 +67,7 @@ def same_bits(a, b):
 class GrpcConformanceTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.server = Server(CONFIG).__enter__()
+        cls.server = Server.for_class(cls, CONFIG)
         if cls.server.grpc is None:
             raise RuntimeError("the server did not report its gRPC address:\n" + "".join(cls.server.lines))
         cls.g = grpcclient.InferenceServerClient(cls.server.grpc)
@@ -79,7 +79,7 @@ class GrpcConformanceTest(unittest.TestCase):
     def tearDownClass(cls):
         cls.channel.close()
         cls.g.close()
-        cls.server.__exit__(None, None, None)
+        cls.h.close()
 
     # -- health and metadata --------------------------------------------------------
 

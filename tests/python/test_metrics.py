@@ -40,7 +40,13 @@ def scrape(base):
 
 
 def value(samples, name, **labels):
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+    """The sample `name{labels}`. A series that is not there fails: a default of 0 would let
+    `== 0` checks pass on a metric that was never exported."""
+    key = (name, tuple(sorted(labels.items())))
+    if key not in samples:
+        have = sorted(str(dict(l)) for (n, l) in samples if n == name)
+        raise AssertionError(f"/metrics has no series {name}{labels} (series of that name: {have or 'none'})")
+    return samples[key]
 
 
 def infer(base, model):

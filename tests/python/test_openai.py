@@ -43,12 +43,12 @@ class OpenAiEmbeddingsTest(unittest.TestCase):
     def setUpClass(cls):
         with open(FIXTURE) as f:
             cls.fixture = json.load(f)
-        cls.server = Server(CONFIG).__enter__()
+        cls.server = Server.for_class(cls, CONFIG)
         cls.client = openai.OpenAI(base_url=cls.server.base + "/v1", api_key="unused", max_retries=0)
 
     @classmethod
     def tearDownClass(cls):
-        cls.server.__exit__(None, None, None)
+        cls.client.close()
 
     def test_default_encoding_is_base64_and_matches_the_fixture(self):
         sentences = self.fixture["sentences"]
@@ -115,6 +115,7 @@ class OpenAiEmbeddingsTest(unittest.TestCase):
         import tritonclient.http as httpclient
 
         client = httpclient.InferenceServerClient(self.server.addr)
+        self.addCleanup(client.close)
         meta = client.get_model_metadata(self.MODEL)
         self.assertEqual(meta["inputs"][0]["datatype"], "BYTES")
         self.assertEqual(meta["outputs"][0]["shape"], [-1, 384])

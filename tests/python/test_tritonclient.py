@@ -27,12 +27,12 @@ TYPES = {
 class TritonClientTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.server = Server(CONFIG).__enter__()
+        cls.server = Server.for_class(cls, CONFIG)
         cls.client = httpclient.InferenceServerClient(cls.server.addr)
 
     @classmethod
     def tearDownClass(cls):
-        cls.server.__exit__(None, None, None)
+        cls.client.close()
 
     def test_health_and_metadata(self):
         self.assertTrue(self.client.is_server_live())

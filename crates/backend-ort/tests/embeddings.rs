@@ -11,7 +11,7 @@ use std::{
     sync::{Arc, OnceLock},
 };
 
-use common::{backend, cpu, model};
+use common::{backend, cpu, max_abs_diff, model};
 use snooze_core::{Backend, DataType, EmbedInput, InferError, LoadedModel, Task, Tensor, TensorData};
 
 #[derive(serde::Deserialize)]
@@ -48,14 +48,21 @@ fn int8() -> &'static Arc<dyn LoadedModel> {
     MODEL.get_or_init(|| backend().load(&cpu("minilm-onnx-int8", model("minilm-onnx-int8"))).unwrap())
 }
 
-/// The lowest cosine to the fixture over `which`, checking one vector per input.
+/// The lower of two (cosine, sentence) pairs; a NaN cosine wins, so `>=` checks fail on it.
+fn lower(a: (f64, usize), b: (f64, usize)) -> (f64, usize) {
+    if a.0.is_nan() || a.0 <= b.0 {
+        a
+    } else {
+        b
+    }
+}
+
+/// The lowest cosine to the fixture over `which` (NaN if any is NaN), checking one vector
+/// per input.
 fn min_cosine(got: &[Vec<f32>], which: &[usize]) -> (f64, usize) {
+    assert!(!which.is_empty(), "no vector to compare");
     assert_eq!(got.len(), which.len(), "one vector per input");
-    which
-        .iter()
-        .zip(got)
-        .map(|(&i, v)| (cosine(v, &fixture().embeddings[i]), i))
-        .fold((f64::INFINITY, 0), |a, b| if b.0 < a.0 { b } else { a })
+    which.iter().zip(got).map(|(&i, v)| (cosine(v, &fixture().embeddings[i]), i)).reduce(lower).unwrap()
 }
 
 fn embed(m: &Arc<dyn LoadedModel>, which: &[usize]) -> Vec<Vec<f32>> {
@@ -72,8 +79,7 @@ fn fp32_export_matches_sentence_transformers_alone_and_in_batches() {
     for (i, s) in fx.sentences.iter().enumerate() {
         let out = e.embed(&EmbedInput::Texts(vec![s.clone()])).unwrap();
         assert_eq!(out.prompt_tokens(), fx.token_counts[i], "tokens of sentence {i}");
-        let c = min_cosine(&out.vectors, &[i]);
-        worst = if c.0 < worst.0 { c } else { worst };
+        worst = lower(worst, min_cosine(&out.vectors, &[i]));
     }
     println!("fp32 export, alone: min cosine {:.7} (sentence {})", worst.0, worst.1);
     assert!(worst.0 >= 0.9999, "sentence {}: cosine {:.7} < 0.9999", worst.1, worst.0);
@@ -110,7 +116,7 @@ fn token_ids_and_truncation_behave_as_on_candle() {
     let ids: Vec<u32> = std::iter::once(101).chain((0..600).map(|k| 2000 + k)).collect();
     let out = e.embed(&EmbedInput::TokenIds(vec![ids.clone(), ids[..256].to_vec()])).unwrap();
     assert_eq!(out.prompt_tokens(), 512);
-    let diff = out.vectors[0].iter().zip(&out.vectors[1]).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    let diff = max_abs_diff(&out.vectors[0], &out.vectors[1]);
     assert!(diff <= 1e-5, "{diff}");
     let err = e.embed(&EmbedInput::TokenIds(vec![vec![101, 999_999]])).unwrap_err();
     assert!(

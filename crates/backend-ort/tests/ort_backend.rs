@@ -6,7 +6,7 @@ mod common;
 
 use std::{path::Path, time::Instant};
 
-use common::{backend, cpu, model};
+use common::{backend, cpu, max_abs_diff, model};
 use half::f16;
 use snooze_backend_ort::OrtBackend;
 use snooze_core::{
@@ -115,8 +115,7 @@ fn mlp_10m_matches_its_reference() {
     assert_eq!(out[0].name, "y");
     assert_eq!(out[0].shape, shape);
     let TensorData::Fp32(got) = &out[0].data else { panic!("y should be FP32") };
-    let max_diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-    assert_eq!(got.len(), want.len());
+    let max_diff = max_abs_diff(got, &want);
     assert!(max_diff <= 1e-4, "max abs diff {max_diff}");
 }
 

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{backend, cache_dir, cpu, model};
+use common::{backend, cache_dir, cpu, max_abs, max_abs_diff, model};
 use snooze_core::{Backend, LoadSpec, Tensor, TensorData, Weights};
 
 fn spec(name: &str, weights: Weights) -> LoadSpec {
@@ -51,8 +51,7 @@ fn every_profile_gives_the_same_outputs() {
     assert_eq!(compact, mapped, "the same kernels over the same bytes: bit for bit");
     // Other kernels (packed GEMM), other summation order: within 1e-5 of the output's scale.
     for (p, c) in prepacked.iter().zip(&compact) {
-        let scale = p.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        let worst = p.iter().zip(c).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        let (scale, worst) = (max_abs(p), max_abs_diff(p, c));
         assert!(worst <= 1e-5 * scale, "prepacked vs compact differ by {worst:e}, output scale {scale}");
     }
     // And the numpy reference.
@@ -60,7 +59,7 @@ fn every_profile_gives_the_same_outputs() {
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     let want: Vec<f32> =
         v["output"]["y"].as_array().unwrap().iter().map(|f| f.as_f64().unwrap() as f32).collect();
-    let diff = want.iter().zip(&mapped[0]).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    let diff = max_abs_diff(&want, &mapped[0]);
     assert!(diff <= 1e-4, "mapped differs from numpy by {diff}");
 }
 

@@ -66,21 +66,14 @@ impl Client {
     }
 }
 
-/// `2026-11-29T11:12:13.456Z` → seconds from `now` (negative: in the past).
+/// `2026-11-29T11:12:13.456Z` (what the admin API writes) → whole seconds from `now`
+/// (negative: in the past).
 fn seconds_from_now(stamp: &str, now: SystemTime) -> Option<i64> {
-    let parse = |a: usize, b: usize| stamp.get(a..b)?.parse::<i64>().ok();
-    let (y, mo, d) = (parse(0, 4)?, parse(5, 7)?, parse(8, 10)?);
-    let (h, mi, s) = (parse(11, 13)?, parse(14, 16)?, parse(17, 19)?);
-    // Days from civil (Howard Hinnant), the inverse of the server's formatter.
-    let y = if mo <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let doy = (153 * (if mo > 2 { mo - 3 } else { mo + 9 }) + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    let then = days * 86_400 + h * 3600 + mi * 60 + s;
-    let now = now.duration_since(SystemTime::UNIX_EPOCH).ok()?.as_secs() as i64;
-    Some(then - now)
+    let then = humantime::parse_rfc3339(stamp).ok()?;
+    match then.duration_since(now) {
+        Ok(ahead) => i64::try_from(ahead.as_secs()).ok(),
+        Err(behind) => i64::try_from(behind.duration().as_secs()).ok().map(|s| -s),
+    }
 }
 
 fn human(secs: i64) -> String {
@@ -242,6 +235,19 @@ pub fn top(c: &Client) -> anyhow::Result<()> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn stamps_read_back_as_whole_seconds_from_now() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_795_950_733); // 2026-11-29T11:12:13Z
+        assert_eq!(seconds_from_now("2026-11-29T11:16:13.000Z", now), Some(240));
+        assert_eq!(seconds_from_now("2026-11-29T11:11:13.500Z", now), Some(-59));
+        assert_eq!(seconds_from_now("2000-02-29T00:00:00.000Z", now), Some(951_782_400 - 1_795_950_733));
+        let written = crate::rest::admin::rfc3339(now + Duration::from_millis(90_250));
+        assert_eq!(seconds_from_now(&written, now), Some(90), "{written}");
+        for bad in ["", "2026-11-29", "2026-13-01T00:00:00Z", "yesterday"] {
+            assert_eq!(seconds_from_now(bad, now), None, "{bad:?}");
+        }
+    }
 
     #[test]
     fn ps_lists_every_model_with_its_memory_and_deadline() {

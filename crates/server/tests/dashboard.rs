@@ -1,10 +1,11 @@
 //! The dashboard at `/`, opened in headless Chromium against the real server: the models
 //! table lists every model in its state, the memory timeline carries an eviction marker,
-//! and the page asks for the admin token when it has none. Saves a screenshot
+//! its legend names every model without two names running into each other, and the page
+//! asks for the admin token when it has none. Saves a screenshot
 //! (`SNOOZE_BLESS=1` copies it to docs/dashboard.png for the README).
 //!
-//! Skipped, with the reason printed, only where no Chromium can be found (`make test`
-//! installs Debian's `chromium` where it can).
+//! Where no Chromium can be found (`make test` installs Debian's `chromium` where it
+//! can) it fails, saying so, unless `SNOOZE_ALLOW_SKIP=dashboard` lets it skip.
 
 mod common;
 
@@ -63,9 +64,7 @@ fn headless(browser: &Path, profile: &Path, args: &[&str], url: &str) -> String 
 #[test]
 fn dashboard_shows_models_and_evictions_in_chromium() {
     let Some(browser) = chromium() else {
-        println!(
-            "SKIPPED dashboard test: no chromium found (install Debian's `chromium`, or set SNOOZE_CHROMIUM)"
-        );
+        skip("dashboard", "no chromium found (install Debian's `chromium`, or set SNOOZE_CHROMIUM)");
         return;
     };
     let dir = models_dir();
@@ -86,6 +85,12 @@ weights = "compact"
 
 [models.small]
 path = "{0}/mlp-10m"
+
+[models.all-minilm-l6-v2-onnx-int8]
+path = "{0}/minilm-onnx-int8"
+
+[models.ppocr-text-direction-cls]
+path = "{0}/ocr-cls"
 "#,
         dir.display()
     );
@@ -102,11 +107,19 @@ path = "{0}/mlp-10m"
         "nothing is fetched from elsewhere"
     );
 
-    // m1 loads and serves, m2 evicts it, small evicts m2.
+    // m1 loads and serves, then each load evicts the model before it: m2, two with long
+    // names (the old legend, drawn at fixed places 110 units apart in the chart, ran
+    // `minilm-onnx-int8` into `ocr-cls`; these run over their neighbours by far), and
+    // small. Each stays resident a few memory readings (100 ms apart), so the timeline
+    // and its legend show every one.
     let r = reference("mlp-100m-1");
     assert_eq!(s.post("/v2/models/m1/infer", &infer_body(&r)).0, 200);
-    assert_eq!(s.post("/v2/repository/models/m2/load", &json!({})).0, 200);
-    assert_eq!(s.post("/v2/repository/models/small/load", &json!({})).0, 200);
+    for model in ["m2", "all-minilm-l6-v2-onnx-int8", "ppocr-text-direction-cls", "small"] {
+        std::thread::sleep(Duration::from_millis(400));
+        let (status, body, _) = s.post(&format!("/v2/repository/models/{model}/load"), &json!({}));
+        assert_eq!(status, 200, "{model}: {body}");
+    }
+    std::thread::sleep(Duration::from_millis(400));
 
     let profile = s.dir.join("chromium");
     std::fs::create_dir_all(&profile).expect("profile dir");
@@ -137,6 +150,17 @@ path = "{0}/mlp-10m"
     assert!(dom.contains("class=\"area\" data-model=\"small\""), "{dom}");
     assert!(dom.contains("class=\"rss\""), "{dom}");
     assert!(dom.contains("data-reason=\"evicted\""), "the events list: {dom}");
+    // The legend: every model that held memory, and (the page measures its own layout)
+    // no two items covering each other.
+    let start = dom.find("<ul id=\"legend\"").unwrap_or_else(|| panic!("no legend: {dom}"));
+    let legend = &dom[start..start + dom[start..].find("</ul>").expect("legend end")];
+    for model in ["m1", "m2", "all-minilm-l6-v2-onnx-int8", "ppocr-text-direction-cls", "small"] {
+        assert!(
+            legend.contains(&format!("data-model=\"{model}\"")),
+            "{model} is not in the legend: {legend}"
+        );
+    }
+    assert!(legend.contains("data-overlapping=\"\""), "legend items run into each other: {legend}");
 
     // The token was kept in the browser: the same profile without #token still reads.
     let again = headless(&browser, &profile, &["--dump-dom"], &s.url("/"));

@@ -12,7 +12,7 @@ use std::{
 
 use proptest::prelude::*;
 use serde_json::{json, value::RawValue, Value};
-use snooze_core::{DataType, ErrorKind, ModelSignature, SnoozeError, TensorSpec};
+use snooze_core::{DataType, ErrorKind, ModelSignature, SnoozeError, Tensor, TensorData, TensorSpec};
 use snooze_server::{
     request::{
         codec::{split_body, InferRequest},
@@ -102,6 +102,13 @@ fn signature(model: &str) -> ModelSignature {
             inputs: vec![spec("x", DataType::Fp32, &[-1, 256])],
             outputs: vec![spec("y", DataType::Fp32, &[-1, 256])],
         },
+        // One BYTES input of rows of three: every request below that sends only
+        // `in_bytes` is complete for it, so its data reaches the decoder.
+        "bytes" => ModelSignature {
+            platform: "onnxruntime_onnx".into(),
+            inputs: vec![spec("in_bytes", DataType::Bytes, &[-1, 3])],
+            outputs: Vec::new(),
+        },
         "minilm" => ModelSignature {
             platform: "candle_bert".into(),
             inputs: vec![spec("text", DataType::Bytes, &[-1])],
@@ -123,12 +130,12 @@ fn decode_kserve(
     body: &[u8],
     header_len: Option<&str>,
     sig: Option<&ModelSignature>,
-) -> Result<usize, SnoozeError> {
+) -> Result<Vec<Tensor>, SnoozeError> {
     let (json_part, binary) = split_body(body, header_len)?;
     let req: InferRequest =
         serde_json::from_slice(json_part).map_err(|e| SnoozeError::invalid(format!("not a request: {e}")))?;
     let plans = plan_inputs(&req, binary.len(), sig, "m")?;
-    Ok(decode(plans, binary)?.len())
+    decode(plans, binary)
 }
 
 /// Decodes or refuses with a 400; an error about an input names it.
@@ -216,24 +223,84 @@ fn binary_request() -> impl Strategy<Value = (Vec<u8>, String)> {
         })
 }
 
-/// BYTES elements with length prefixes that lie.
-fn length_prefixed() -> impl Strategy<Value = (Vec<u8>, String)> {
-    let element =
-        (prop_oneof![0u32..8, Just(u32::MAX), Just(1 << 31)], prop::collection::vec(any::<u8>(), 0..8));
-    (prop::collection::vec(element, 0..12), 0i64..16).prop_map(|(items, count)| {
-        let mut tail = Vec::new();
-        for (len, bytes) in items {
-            tail.extend_from_slice(&len.to_le_bytes());
-            tail.extend_from_slice(&bytes);
+/// The elements of a `[rows, 3]` BYTES input: 1..5 rows of random strings.
+fn bytes_elements() -> impl Strategy<Value = Vec<Vec<u8>>> {
+    (1usize..5)
+        .prop_flat_map(|rows| prop::collection::vec(prop::collection::vec(any::<u8>(), 0..8), rows * 3))
+}
+
+/// The binary layout: a little-endian u32 length before each element.
+fn length_prefixed(elements: &[Vec<u8>]) -> Vec<u8> {
+    let mut tail = Vec::new();
+    for e in elements {
+        tail.extend_from_slice(&u32::try_from(e.len()).expect("a short element").to_le_bytes());
+        tail.extend_from_slice(e);
+    }
+    tail
+}
+
+/// A request whose one input `in_bytes` declares `rows` rows of three and honestly
+/// states the size of its binary `tail` (only the prefixes inside it may lie); the body
+/// and its JSON header's length.
+fn bytes_request(rows: usize, tail: &[u8]) -> (Vec<u8>, String) {
+    let header = json!({"inputs": [{"name": "in_bytes", "shape": [rows, 3], "datatype": "BYTES",
+                         "parameters": {"binary_data_size": tail.len()}}]})
+    .to_string();
+    let len = header.len().to_string();
+    let mut body = header.into_bytes();
+    body.extend_from_slice(tail);
+    (body, len)
+}
+
+/// How a BYTES body lies about its elements; each lie must be refused.
+#[derive(Debug, Clone)]
+enum Lie {
+    /// One element's prefix claims more bytes than the whole rest of the body holds
+    /// (`over` past the end, or a huge count).
+    Overclaim { at: prop::sample::Index, over: u32 },
+    /// The body ends `cut` bytes early (taken modulo the last element with its prefix).
+    Truncated { cut: usize },
+    /// One element more than the shape declares.
+    ExtraElement,
+    /// One element fewer than the shape declares.
+    MissingElement,
+}
+
+fn lie() -> impl Strategy<Value = Lie> {
+    prop_oneof![
+        (any::<prop::sample::Index>(), prop_oneof![1u32..64, Just(u32::MAX), Just(1 << 31)])
+            .prop_map(|(at, over)| Lie::Overclaim { at, over }),
+        (1usize..16).prop_map(|cut| Lie::Truncated { cut }),
+        Just(Lie::ExtraElement),
+        Just(Lie::MissingElement),
+    ]
+}
+
+/// The honest binary tail of `elements`, made to tell `lie`.
+fn lying_tail(elements: &[Vec<u8>], lie: &Lie) -> Vec<u8> {
+    match lie {
+        Lie::Overclaim { at, over } => {
+            let at = at.index(elements.len());
+            let mut tail = length_prefixed(elements);
+            let prefix = length_prefixed(&elements[..at]).len();
+            let rest = u32::try_from(tail.len() - prefix - 4).expect("a short body");
+            let claim = if *over < 64 { rest + over } else { *over };
+            tail[prefix..prefix + 4].copy_from_slice(&claim.to_le_bytes());
+            tail
         }
-        let header = json!({"inputs": [{"name": "in_bytes", "shape": [count, 3], "datatype": "BYTES",
-                             "parameters": {"binary_data_size": tail.len()}}]})
-        .to_string();
-        let len = header.len().to_string();
-        let mut body = header.into_bytes();
-        body.extend_from_slice(&tail);
-        (body, len)
-    })
+        Lie::Truncated { cut } => {
+            let mut tail = length_prefixed(elements);
+            let last = elements.last().map_or(0, Vec::len) + 4;
+            tail.truncate(tail.len() - (1 + (cut - 1) % last));
+            tail
+        }
+        Lie::ExtraElement => {
+            let mut more = elements.to_vec();
+            more.push(b"extra".to_vec());
+            length_prefixed(&more)
+        }
+        Lie::MissingElement => length_prefixed(&elements[..elements.len() - 1]),
+    }
 }
 
 proptest! {
@@ -256,8 +323,22 @@ proptest! {
     }
 
     #[test]
-    fn lying_bytes_length_prefixes_are_refused((body, len) in length_prefixed()) {
-        check_kserve(&body, Some(&len), Some(&signature("identity-all-types")))?;
+    fn honest_bytes_length_prefixes_decode_to_their_elements(elements in bytes_elements()) {
+        let (body, len) = bytes_request(elements.len() / 3, &length_prefixed(&elements));
+        let decoded = decode_kserve(&body, Some(&len), Some(&signature("bytes")));
+        let tensors = decoded.map_err(|e| TestCaseError::fail(format!("an honest body was refused: {}", e.message)))?;
+        prop_assert_eq!(tensors.len(), 1);
+        prop_assert_eq!(&tensors[0].data, &TensorData::Bytes(elements));
+    }
+
+    #[test]
+    fn lying_bytes_length_prefixes_are_refused(elements in bytes_elements(), lie in lie()) {
+        let (body, len) = bytes_request(elements.len() / 3, &lying_tail(&elements, &lie));
+        check_kserve(&body, Some(&len), Some(&signature("bytes")))?;
+        match decode_kserve(&body, Some(&len), Some(&signature("bytes"))) {
+            Ok(tensors) => prop_assert!(false, "{:?} was decoded: {:?}", lie, tensors[0].data),
+            Err(e) => prop_assert!(e.message.contains("input 'in_bytes'"), "{:?}: {}", lie, e.message),
+        }
     }
 
     #[test]

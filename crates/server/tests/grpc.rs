@@ -193,6 +193,9 @@ fn grpc_off_serves_none_and_a_taken_port_is_a_clear_error() {
     let s = Server::start("grpc-off", &config(), &["--grpc-address", "off"]);
     assert!(s.grpc.is_none());
     assert!(s.log_lines("gRPC on").is_empty());
+    // Not only unannounced: no socket but the HTTP one accepts connections.
+    let http: u16 = s.base.rsplit(':').next().and_then(|p| p.parse().ok()).expect("the HTTP port");
+    assert_eq!(listening_ports(s.child.id()), vec![http], "grpc_address = \"off\" still listens beside HTTP");
     drop(s);
 
     // A taken port is a clear start-up error naming the setting.

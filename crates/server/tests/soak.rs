@@ -15,7 +15,8 @@
 //! fails the test); the server's peak VmRSS (sampled every 50 ms) stayed under the
 //! cgroup limit; no single attempt took longer than the server's queue timeout (30 s)
 //! plus 5 s. Goodput, latencies, loads, evictions, refusals by status and the peak RSS
-//! are printed. Skipped, saying why, where memory cgroups cannot be created.
+//! are printed. Where memory cgroups cannot be created it fails, saying why, unless
+//! `SNOOZE_ALLOW_SKIP=soak` lets it skip.
 
 mod common;
 
@@ -26,7 +27,6 @@ mod cgroup;
 mod closed_loop;
 
 use std::{
-    fs,
     sync::{
         atomic::{AtomicBool, Ordering},
         Barrier,
@@ -159,22 +159,9 @@ fn soak_zipf_over_eight_models_in_a_three_model_cgroup() {
         mib(HEADROOM),
         mib(SLACK)
     );
-    let cg = match Cgroup::create(limit) {
-        Ok(cg) => cg,
-        Err(reason) => {
-            eprintln!("SKIPPED soak: memory cgroups unavailable: {reason}");
-            return;
-        }
-    };
-
-    let tmp = std::env::temp_dir().join(format!("snooze-soak-{}", std::process::id()));
-    fs::create_dir_all(&tmp).expect("tmp");
-    fs::write(tmp.join("snooze.toml"), config(&dir)).expect("config");
-    let mut cmd = cg.command(env!("CARGO_BIN_EXE_snooze"));
-    cmd.arg("serve").arg("--config").arg(tmp.join("snooze.toml"));
-    let mut s = Server::start_with(&mut cmd, &[], tmp);
+    let Some(cg) = Cgroup::create_or_skip(limit, "soak") else { return };
+    let mut s = cg.serve("soak", &config(&dir));
     let (_, admin) = s.get("/admin/models");
-    assert_eq!(admin["memory"]["limit_source"], if cg.v2 { "cgroup_v2" } else { "cgroup_v1" });
     let budget = admin["memory"]["budget_bytes"].as_u64().expect("budget");
     eprintln!("server budget (auto, inside the cgroup): {} MiB", mib(budget));
 

@@ -55,3 +55,18 @@ pub fn rss_parts_mib() -> (f64, f64, f64) {
 pub fn rss_mib() -> f64 {
     snooze_core::memory::process_rss_bytes() as f64 / f64::from(1 << 20)
 }
+
+/// The largest `|a - b|` over two outputs of one length. A NaN anywhere makes it NaN, so
+/// `diff <= tolerance` fails on a broken output (`fold(0.0, f32::max)` would skip it).
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "outputs of different lengths");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, |worst, d| if d > worst || d.is_nan() { d } else { worst })
+}
+
+/// The largest `|x|`, NaN when any element is NaN.
+pub fn max_abs(a: &[f32]) -> f32 {
+    a.iter().fold(0.0, |worst, x| if x.abs() > worst || x.is_nan() { x.abs() } else { worst })
+}

@@ -81,28 +81,12 @@ pub fn model_json(s: &ModelStatus, backend: &str, now: SystemTime) -> serde_json
     })
 }
 
-/// `2026-11-29T11:12:13.456Z` (UTC, millisecond precision).
+/// `2026-11-29T11:12:13.456Z` (UTC, millisecond precision). humantime formats the
+/// years 1970 to 9999 and panics outside them: a clock set before 1970 reads as the epoch,
+/// a deadline past 9999 as its last millisecond.
 pub fn rfc3339(t: SystemTime) -> String {
-    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let secs = d.as_secs();
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // Civil-from-days (Howard Hinnant's algorithm), days since 1970-01-01.
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        d.subsec_millis()
-    )
+    let last = UNIX_EPOCH + Duration::from_millis(253_402_300_799_999); // 9999-12-31T23:59:59.999Z
+    humantime::format_rfc3339_millis(t.clamp(UNIX_EPOCH, last)).to_string()
 }
 
 #[cfg(test)]
@@ -116,5 +100,10 @@ mod tests {
         assert_eq!(rfc3339(t), "2026-11-29T11:12:13.456Z");
         let leap = UNIX_EPOCH + Duration::from_secs(951_782_400); // 2000-02-29
         assert_eq!(rfc3339(leap), "2000-02-29T00:00:00.000Z");
+        assert_eq!(rfc3339(UNIX_EPOCH - Duration::from_secs(1)), "1970-01-01T00:00:00.000Z");
+        assert_eq!(
+            rfc3339(UNIX_EPOCH + Duration::from_secs(u64::from(u32::MAX) * 100)),
+            "9999-12-31T23:59:59.999Z"
+        );
     }
 }

@@ -1,7 +1,8 @@
 //! A real memory cgroup for tests that must prove behaviour under a kernel limit
 //! (`memory_guard.rs`, `soak.rs`): made inside the test's own cgroup (v1 or v2), with the
 //! server started inside it, removed on drop. Where cgroups cannot be made (no
-//! permission, no memory controller) `create` says why, and the test skips.
+//! permission, no memory controller) `create` says why, and the test fails unless
+//! `SNOOZE_ALLOW_SKIP` lets it skip (`common::skip`).
 //!
 //! Declared by each test that needs it (`#[path = "common/cgroup.rs"] mod cgroup;`), not
 //! from `common/mod.rs`, so the other tests do not compile it.
@@ -9,6 +10,8 @@
 #![allow(dead_code)]
 
 use std::{fs, path::PathBuf, process::Command, time::Duration};
+
+use crate::common::{skip, Server};
 
 /// A memory cgroup made inside our own (v1 here, v2 elsewhere), removed on drop.
 pub struct Cgroup {
@@ -49,6 +52,33 @@ impl Cgroup {
             }
         }
         Err("no memory cgroup found in /proc/self/cgroup".into())
+    }
+
+    /// A cgroup of `limit` bytes for `test`; `None` when none can be made here and
+    /// `SNOOZE_ALLOW_SKIP` lets `test` skip (otherwise the test fails, saying why).
+    pub fn create_or_skip(limit: u64, test: &str) -> Option<Cgroup> {
+        match Cgroup::create(limit) {
+            Ok(cg) => Some(cg),
+            Err(reason) => {
+                skip(test, &format!("memory cgroups unavailable: {reason}"));
+                None
+            }
+        }
+    }
+
+    /// `snooze serve` with `config_toml`, started inside this cgroup; checks that the
+    /// server found the cgroup's limit.
+    pub fn serve(&self, tag: &str, config_toml: &str) -> Server {
+        let tmp = std::env::temp_dir().join(format!("snooze-{tag}-{}", std::process::id()));
+        fs::create_dir_all(&tmp).expect("tmp");
+        fs::write(tmp.join("snooze.toml"), config_toml).expect("config");
+        let mut cmd = self.command(env!("CARGO_BIN_EXE_snooze"));
+        cmd.arg("serve").arg("--config").arg(tmp.join("snooze.toml"));
+        let s = Server::start_with(&mut cmd, &[], tmp);
+        let (_, admin) = s.get("/admin/models");
+        let source = if self.v2 { "cgroup_v2" } else { "cgroup_v1" };
+        assert_eq!(admin["memory"]["limit_source"], source, "the server did not see the cgroup's limit");
+        s
     }
 
     pub fn write(&self, file: &str, value: &str) -> Result<(), String> {

@@ -23,7 +23,7 @@ use std::{
 
 use serde_json::Value;
 
-use crate::common::{infer_body, reference};
+use crate::common::{infer_body, max_abs_diff, reference};
 
 /// Outputs within this of numpy's are right (the tolerance of every other test).
 pub const TOLERANCE: f32 = 1e-4;
@@ -295,7 +295,7 @@ fn check_output(body: &[u8], expected: &[f32]) -> Result<(), String> {
     if got.len() != expected.len() {
         return Err(format!("{} outputs, expected {}", got.len(), expected.len()));
     }
-    let diff = got.iter().zip(expected).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    let diff = max_abs_diff(&got, expected);
     if diff.is_nan() || diff > TOLERANCE {
         return Err(format!("output differs from numpy by {diff}"));
     }
