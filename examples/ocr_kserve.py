@@ -1,10 +1,10 @@
 """OCR through SnoozeML: the PP-OCR pipeline (detection, direction classification,
 recognition) with every inference served over KServe v2 by `tritonclient.http`.
 
-    .venv/bin/python examples/ocr_client.py                       # renders and reads a sentence
-    .venv/bin/python examples/ocr_client.py --text "Hello there"
-    .venv/bin/python examples/ocr_client.py --image photo.png     # reads an image file
-    .venv/bin/python examples/ocr_client.py --local               # onnxruntime in-process instead
+    .venv/bin/python examples/ocr_kserve.py                       # renders and reads a sentence
+    .venv/bin/python examples/ocr_kserve.py --text "Hello there"
+    .venv/bin/python examples/ocr_kserve.py --image photo.png     # reads an image file
+    .venv/bin/python examples/ocr_kserve.py --local               # onnxruntime in-process instead
 
 The server must serve the three models `make prepare` links (scripts/link_ocr_models.py):
 ocr-det, ocr-cls and ocr-rec; the default config serves every folder of models/.

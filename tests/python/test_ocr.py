@@ -1,5 +1,5 @@
 """OCR end to end: rapidocr's PP-OCR models (linked by scripts/link_ocr_models.py) served
-by the real binary, driven by examples/ocr_client.py over KServe v2 with tritonclient.http
+by the real binary, driven by examples/ocr_kserve.py over KServe v2 with tritonclient.http
 (binary tensor data). A rendered sentence must come back exactly, and every tensor the
 server returns (det, cls, rec) must equal onnxruntime-in-Python's output for the same input
 (found bit-exact with the pinned onnxruntime; the assertion allows 1e-5).
@@ -13,10 +13,10 @@ import unittest
 import numpy as np
 import tritonclient.http as httpclient
 
-from server import MODELS, ROOT, Server
+from server import MODELS, ROOT, Server, wait_until
 
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-import ocr_client  # noqa: E402
+import ocr_kserve as ocr_client  # noqa: E402
 
 SENTENCE = "SnoozeML reads this line"
 # (text, font size): different page sizes for det, different line widths for rec.
@@ -38,7 +38,7 @@ class OcrTest(unittest.TestCase):
         for name in ("ocr-det", "ocr-rec", "ocr-cls"):
             if not os.path.isfile(os.path.join(MODELS, name, "model.onnx")):
                 raise RuntimeError(f"{MODELS}/{name}/model.onnx is missing: run `make prepare`")
-        cls.server = Server(CONFIG).__enter__()
+        cls.server = Server.for_class(cls, CONFIG)
         cls.client = httpclient.InferenceServerClient(cls.server.addr)
         cls.log = []  # (model, input, output) of every request the pipeline made
         # staticmethod: plain functions stored on the class would bind `self`.
@@ -47,7 +47,7 @@ class OcrTest(unittest.TestCase):
 
     @classmethod
     def tearDownClass(cls):
-        cls.server.__exit__(None, None, None)
+        cls.client.close()
 
     def read(self, image) -> str:
         return ocr_client.ocr(self.infer, image)
@@ -98,9 +98,17 @@ class WorkingSetTest(unittest.TestCase):
 
         import requests
 
-        with Server(f'[models.ocr-det]\npath = "{MODELS}/ocr-det"\n') as s:
-            client = httpclient.InferenceServerClient(s.addr)
+        with Server(f'[models.ocr-det]\npath = "{MODELS}/ocr-det"\n') as s, httpclient.InferenceServerClient(s.addr) as client:
             estimate = requests.get(s.base + "/admin/models").json()["models"][0]["footprint_estimated_bytes"]
+
+            # The idle server converts the model in the background first: growth measured
+            # while a conversion runs is not the run's own, so the run waits for it.
+            def prepared():
+                events = requests.get(s.base + "/admin/events?since=0").json()
+                events = events.get("events", events) if isinstance(events, dict) else events
+                return any(e["model"] == "ocr-det" and e["kind"] == "prepared" for e in events)
+
+            wait_until(prepared, timeout=120)
             x = np.zeros((1, 3, 736, 960), np.float32)
             inp = httpclient.InferInput("x", list(x.shape), "FP32")
             inp.set_data_from_numpy(x, binary_data=True)

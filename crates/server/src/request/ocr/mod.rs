@@ -217,6 +217,9 @@ pub async fn read(
         options.use_cls = use_cls;
     }
     if let Some(min) = request.min_score {
+        if !(0.0..=1.0).contains(&min) {
+            return Err(SnoozeError::invalid(format!("min_score {min} is not between 0 and 1")));
+        }
         options.text_score = min;
     }
     options.validate().map_err(vision_error)?;
