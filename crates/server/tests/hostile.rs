@@ -1,8 +1,11 @@
 //! The real binary against a hostile client: well over a hundred malformed requests
 //! across KServe JSON, the binary extension, BYTES, the repository, the admin API and
 //! the OpenAI routes — each answered with the right 4xx (or 503 + Retry-After) and a
-//! JSON body — and the server alive and serving correct results afterwards.
+//! JSON body — and the server alive and serving correct results afterwards. The speech
+//! routes' refusals (`common/audio.rs`, shared with `speech.rs`) are among them.
 
+#[path = "common/audio.rs"]
+mod audio;
 mod common;
 
 use std::{
@@ -21,9 +24,10 @@ fn config() -> String {
     let dir = models_dir();
     format!(
         "[server]\nmax_request_size = \"1MiB\"\nmax_inflight_request_bytes = \"3MiB\"\nmax_embedding_inputs = 8\n\
-         max_input_chars = 64\nadmin_token = \"{TOKEN}\"\nbody_read_timeout = \"5s\"\n\
+         max_input_chars = 64\nadmin_token = \"{TOKEN}\"\nbody_read_timeout = \"5s\"\nmax_audio_seconds = 20\n\
          [models.mlp-10m]\npath = \"{0}/mlp-10m\"\n[models.identity-all-types]\npath = \"{0}/test/identity-all-types\"\n\
-         [models.minilm]\nbackend = \"candle\"\npath = \"{0}/minilm\"\n[models.broken]\npath = \"{0}/test/corrupt/model.onnx\"\n",
+         [models.minilm]\nbackend = \"candle\"\npath = \"{0}/minilm\"\n[models.broken]\npath = \"{0}/test/corrupt/model.onnx\"\n\
+         [models.whisper-tiny-en]\npath = \"{0}/whisper-tiny-en\"\n",
         dir.display()
     )
 }
@@ -394,6 +398,15 @@ fn cases() -> Vec<Case> {
         Case::post("a chunked body over max_request_size", infer, chunked(&vec![b' '; (1 << 20) + 1]), 413)
             .header("transfer-encoding", "chunked"),
     ]);
+
+    // Speech: uploads that are not audio, lie about their length or ask what the model
+    // cannot do, and forms that are not forms.
+    let scratch = audio::Scratch::new("hostile");
+    for bad in audio::bad_uploads("whisper-tiny-en", &scratch) {
+        let mut c = Case::post(bad.what, &bad.route, bad.body, bad.status).contains(bad.contains);
+        c.headers = vec![("content-type", bad.content_type)];
+        v.push(c);
+    }
     v
 }
 

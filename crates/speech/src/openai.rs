@@ -104,7 +104,8 @@ pub fn transcript(result: &TranscriptionResult, task: Task) -> Transcript {
         .segments
         .iter()
         .map(|s| format::Segment {
-            id: u32::try_from(s.id).unwrap_or(u32::MAX),
+            // Whisper numbers segments from 1, OpenAI's API from 0.
+            id: u32::try_from(s.id.saturating_sub(1)).unwrap_or(u32::MAX),
             seek: s.seek,
             start: s.start,
             end: s.end,

@@ -114,8 +114,8 @@ pub enum AudioError {
     #[error("the audio contains no samples (or the file ends before its first complete frame)")]
     Empty,
     #[error(
-        "the audio is longer than the {limit_seconds} s this server accepts \
-         (it was still going after {at_least_seconds:.1} s): send a shorter file"
+        "the audio is longer than the {limit_seconds} s this server accepts (max_audio_seconds; \
+         it was still going after {at_least_seconds:.1} s): send a shorter file"
     )]
     TooLong { limit_seconds: f64, at_least_seconds: f64 },
     /// A fault on the server's side, not the upload's.
