@@ -1,0 +1,159 @@
+//! A 1 ms model is served while long work runs: a forty-second transcription and a
+//! six-page OCR document hold the machine's cores for many seconds, and requests to
+//! `mlp-10m` sent meanwhile are answered while both are still in flight — the long jobs
+//! run in slices (decoder steps, page batches) and never hold a run slot the short model
+//! needs for longer than a slice. Then the long jobs finish, right (no starvation).
+//! Timing is judged relative to the long jobs themselves, never against a wall-clock bound.
+
+#![allow(clippy::unwrap_used)]
+
+#[path = "common/audio.rs"]
+mod audio;
+mod common;
+
+use std::{
+    sync::atomic::{AtomicBool, Ordering},
+    time::{Duration, Instant},
+};
+
+use audio::*;
+use common::*;
+use serde_json::Value;
+
+fn config() -> String {
+    let dir = models_dir();
+    format!(
+        "[server]\nmax_concurrent_inferences = 2\nqueue_timeout = \"300s\"\n\
+         [models.whisper-tiny-en]\npath = \"{0}/whisper-tiny-en\"\n\
+         [models.mlp-10m]\npath = \"{0}/mlp-10m\"\n\
+         [models.ocr-det]\npath = \"{0}/ocr-det\"\n\
+         [models.ocr-cls]\npath = \"{0}/ocr-cls\"\n\
+         [models.ocr-rec]\npath = \"{0}/ocr-rec\"\n\
+         [pipelines.ocr]\ndet = \"ocr-det\"\ncls = \"ocr-cls\"\nrec = \"ocr-rec\"\npage_batch = 2\n",
+        dir.display()
+    )
+}
+
+/// Six copies of the fixture PDF's one page, as one document.
+fn long_pdf() -> Vec<u8> {
+    let page = std::fs::read(repo_root().join("tests/fixtures/ocr_pages/text.pdf")).unwrap();
+    let text = String::from_utf8_lossy(&page);
+    let content = text
+        .split("stream\n")
+        .nth(1)
+        .and_then(|s| s.split("\nendstream").next())
+        .expect("the fixture PDF has one content stream")
+        .to_string();
+    let n = 6;
+    let mut objects = vec![
+        "<< /Type /Catalog /Pages 2 0 R >>".to_string(),
+        format!(
+            "<< /Type /Pages /Kids [{}] /Count {n} >>",
+            (0..n).map(|i| format!("{} 0 R", 4 + 2 * i)).collect::<Vec<_>>().join(" ")
+        ),
+        "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>".to_string(),
+    ];
+    for i in 0..n {
+        objects.push(format!(
+            "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 595 842] /Contents {} 0 R \
+             /Resources << /Font << /F1 3 0 R /F2 3 0 R /F3 3 0 R >> >> >>",
+            5 + 2 * i
+        ));
+        objects.push(format!("<< /Length {} >>\nstream\n{content}\nendstream", content.len()));
+    }
+    let mut out = b"%PDF-1.4\n".to_vec();
+    let mut offsets = Vec::new();
+    for (i, o) in objects.iter().enumerate() {
+        offsets.push(out.len());
+        out.extend(format!("{} 0 obj\n{o}\nendobj\n", i + 1).bytes());
+    }
+    let xref = out.len();
+    out.extend(format!("xref\n0 {}\n0000000000 65535 f \n", objects.len() + 1).bytes());
+    for o in offsets {
+        out.extend(format!("{o:010} 00000 n \n").bytes());
+    }
+    out.extend(
+        format!("trailer\n<< /Size {} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n", objects.len() + 1).bytes(),
+    );
+    out
+}
+
+#[test]
+fn a_one_millisecond_model_is_served_while_a_transcription_and_a_long_document_run() {
+    let server = Server::start("fairness", &config(), &[]);
+    let scratch = Scratch::new("fairness");
+    let clip = beckett();
+    // Forty seconds of speech: Beckett's ten seconds, four times.
+    let long = convert(&clip.path, &scratch.path("long.wav"), &[], &["repeat", "3"]);
+    let audio = std::fs::read(&long).unwrap();
+    let reference = reference("mlp-10m");
+    let body = infer_body(&reference);
+    // Warm every model first: the test is about running, not loading.
+    let (status, _, _) = server.post("/v2/models/mlp-10m/infer", &body);
+    assert_eq!(status, 200);
+    assert_eq!(transcribe(&server.base, "whisper-tiny-en", &clip.bytes(), &[]).status, 200);
+    let pdf = long_pdf();
+
+    let long_running = AtomicBool::new(true);
+    let (speech, ocr, short) = std::thread::scope(|s| {
+        let speech = s.spawn(|| {
+            let started = Instant::now();
+            let answer = transcribe(&server.base, "whisper-tiny-en", &audio, &[]);
+            (answer, started.elapsed())
+        });
+        let ocr = s.spawn(|| {
+            let started = Instant::now();
+            let form = form(&[], Some(("long.pdf", &pdf)));
+            let resp = client()
+                .post(server.url("/v1/ocr"))
+                .header("content-type", form.content_type)
+                .body(form.body)
+                .send()
+                .expect("POST /v1/ocr");
+            let status = resp.status().as_u16();
+            let body: Value = resp.json().unwrap_or(Value::Null);
+            (status, body, started.elapsed())
+        });
+        let short = s.spawn(|| {
+            // Give the long jobs a head start, then ask the small model ten times.
+            std::thread::sleep(Duration::from_millis(1500));
+            let mut served = Vec::new();
+            for _ in 0..10 {
+                let started = Instant::now();
+                let (status, out, _) = server.post("/v2/models/mlp-10m/infer", &body);
+                let took = started.elapsed();
+                let during = long_running.load(Ordering::SeqCst);
+                assert_eq!(status, 200, "{out}");
+                let got = floats(&out["outputs"][0]["data"]);
+                assert!(max_abs_diff(&got, &reference.output) < 1e-4, "mlp-10m answered wrong: {out}");
+                served.push((took, during));
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            served
+        });
+        let speech = speech.join().unwrap();
+        let ocr = ocr.join().unwrap();
+        long_running.store(false, Ordering::SeqCst);
+        (speech, ocr, short.join().unwrap())
+    });
+    let (answer, speech_took) = speech;
+    let (status, body, ocr_took) = ocr;
+    // Neither long job starved: both finished, right.
+    let said = [clip.words.as_str(); 4].join(" ");
+    assert_wer("the forty-second transcription", &said, &answer.text(), 0.15);
+    assert_eq!(status, 200, "{body}");
+    let pages = body["pages"].as_array().unwrap();
+    assert_eq!(pages.len(), 6);
+    assert!(pages.iter().all(|p| p["text"].as_str().unwrap().contains("Revenue grew 12 percent")), "{body}");
+    // Every short request was answered while the long work was still running, each in a
+    // small fraction of the time the long work took.
+    let shortest_long = speech_took.min(ocr_took);
+    for (i, (took, during)) in short.iter().enumerate() {
+        assert!(during, "request {i} to mlp-10m was answered only after the long jobs ended");
+        assert!(
+            *took * 10 < shortest_long,
+            "request {i} to mlp-10m waited {took:?} beside long jobs of {speech_took:?} (speech) and \
+             {ocr_took:?} (OCR): it waited behind them"
+        );
+    }
+}
