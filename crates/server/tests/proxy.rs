@@ -315,6 +315,7 @@ fn three_two_model_nodes_behind_nginx() {
     // The one-time conversions first (a node's earlier start would have done them).
     let warm_state = std::env::temp_dir().join(format!("snooze-proxy-state-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&warm_state);
+    let _cleanup = StateDirs(warm_state.clone());
     {
         let warm = node("proxy-warm", &config("host_memory_limit = \"2GiB\"\n", ""), &warm_state);
         for i in 1..=MODELS {
@@ -476,10 +477,21 @@ fn three_two_model_nodes_behind_nginx() {
          {goodput:.1} req/s",
         stats.started
     );
-    let _ = std::fs::remove_dir_all(&warm_state);
-    for n in ["n0", "n1", "n2", "all", "refusing"] {
-        let _ = std::fs::remove_dir_all(
-            warm_state.with_file_name(format!("{}-{n}", warm_state.file_name().unwrap().to_string_lossy())),
-        );
+}
+
+/// Removes the warm state folder and every node's folder made from it (`<warm>-<tag>`),
+/// when the test ends or panics.
+struct StateDirs(PathBuf);
+
+impl Drop for StateDirs {
+    fn drop(&mut self) {
+        let prefix = self.0.file_name().unwrap().to_string_lossy().into_owned();
+        let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name == prefix || name.starts_with(&format!("{prefix}-")) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
     }
 }
