@@ -10,6 +10,8 @@
 #[path = "common/audio.rs"]
 mod audio;
 mod common;
+#[path = "common/pdf.rs"]
+mod pdf;
 
 use std::{
     sync::atomic::{AtomicBool, Ordering},
@@ -44,38 +46,7 @@ fn long_pdf() -> Vec<u8> {
         .and_then(|s| s.split("\nendstream").next())
         .expect("the fixture PDF has one content stream")
         .to_string();
-    let n = 6;
-    let mut objects = vec![
-        "<< /Type /Catalog /Pages 2 0 R >>".to_string(),
-        format!(
-            "<< /Type /Pages /Kids [{}] /Count {n} >>",
-            (0..n).map(|i| format!("{} 0 R", 4 + 2 * i)).collect::<Vec<_>>().join(" ")
-        ),
-        "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>".to_string(),
-    ];
-    for i in 0..n {
-        objects.push(format!(
-            "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 595 842] /Contents {} 0 R \
-             /Resources << /Font << /F1 3 0 R /F2 3 0 R /F3 3 0 R >> >> >>",
-            5 + 2 * i
-        ));
-        objects.push(format!("<< /Length {} >>\nstream\n{content}\nendstream", content.len()));
-    }
-    let mut out = b"%PDF-1.4\n".to_vec();
-    let mut offsets = Vec::new();
-    for (i, o) in objects.iter().enumerate() {
-        offsets.push(out.len());
-        out.extend(format!("{} 0 obj\n{o}\nendobj\n", i + 1).bytes());
-    }
-    let xref = out.len();
-    out.extend(format!("xref\n0 {}\n0000000000 65535 f \n", objects.len() + 1).bytes());
-    for o in offsets {
-        out.extend(format!("{o:010} 00000 n \n").bytes());
-    }
-    out.extend(
-        format!("trailer\n<< /Size {} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n", objects.len() + 1).bytes(),
-    );
-    out
+    pdf::pdf(&vec![content; 6], 595, 842)
 }
 
 #[test]

@@ -11,6 +11,8 @@
 #[path = "common/audio.rs"]
 mod audio;
 mod common;
+#[path = "common/pdf.rs"]
+mod pdf;
 
 use std::{path::PathBuf, thread};
 
@@ -52,43 +54,6 @@ fn ocr(server: &Server, bytes: Vec<u8>, name: &str, fields: &[(&str, &str)]) -> 
 
 fn lines(page: &Value) -> Vec<String> {
     page["lines"].as_array().expect("lines").iter().map(|l| l["text"].as_str().unwrap().to_string()).collect()
-}
-
-/// A PDF with one line of Helvetica per page, `width` x `height` points each.
-fn pdf(pages: &[String], width: u32, height: u32) -> Vec<u8> {
-    let n = pages.len();
-    let mut objects = vec![
-        "<< /Type /Catalog /Pages 2 0 R >>".to_string(),
-        format!(
-            "<< /Type /Pages /Kids [{}] /Count {n} >>",
-            (0..n).map(|i| format!("{} 0 R", 4 + 2 * i)).collect::<Vec<_>>().join(" ")
-        ),
-        "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>".to_string(),
-    ];
-    for (i, text) in pages.iter().enumerate() {
-        objects.push(format!(
-            "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 {width} {height}] /Contents {} 0 R \
-             /Resources << /Font << /F1 3 0 R >> >> >>",
-            5 + 2 * i
-        ));
-        let content = format!("BT /F1 20 Tf 30 {} Td ({text}) Tj ET", height / 2);
-        objects.push(format!("<< /Length {} >>\nstream\n{content}\nendstream", content.len()));
-    }
-    let mut out = b"%PDF-1.4\n".to_vec();
-    let mut offsets = Vec::new();
-    for (i, o) in objects.iter().enumerate() {
-        offsets.push(out.len());
-        out.extend(format!("{} 0 obj\n{o}\nendobj\n", i + 1).bytes());
-    }
-    let xref = out.len();
-    out.extend(format!("xref\n0 {}\n0000000000 65535 f \n", objects.len() + 1).bytes());
-    for o in offsets {
-        out.extend(format!("{o:010} 00000 n \n").bytes());
-    }
-    out.extend(
-        format!("trailer\n<< /Size {} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n", objects.len() + 1).bytes(),
-    );
-    out
 }
 
 /// The server's peak resident memory so far (VmHWM), in bytes.
@@ -160,7 +125,7 @@ fn a_pdf_is_read_page_by_page_as_multipart_or_json() {
     let texts: Vec<String> = ["Invoice 2024-117 total due", "Meeting moved to Thursday", "Keep this receipt"]
         .map(String::from)
         .into();
-    let doc = pdf(&texts, 420, 360);
+    let doc = pdf::one_line_per_page(&texts, 420, 360);
     let (status, body) = ocr(&server, doc.clone(), "three.pdf", &[("pages", "1,3")]);
     assert_eq!(status, 200, "{body}");
     let pages = body["pages"].as_array().unwrap();
@@ -265,7 +230,13 @@ fn hostile_documents_get_a_clear_4xx_and_change_nothing() {
             "password",
         ),
         ("a PDF that is only a header", b"%PDF-1.7\n%%EOF\n".to_vec(), vec![], 400, "PDF"),
-        ("61 pages over max_pages 60", pdf(&vec!["x".to_string(); 61], 100, 100), vec![], 413, "at most 60"),
+        (
+            "61 pages over max_pages 60",
+            pdf::one_line_per_page(&vec!["x".to_string(); 61], 100, 100),
+            vec![],
+            413,
+            "at most 60",
+        ),
         ("a page past the end", text.clone(), vec![("pages", "2")], 400, "the document has 1 page"),
         ("a page selection that is not one", text.clone(), vec![("pages", "one")], 400, "pages"),
         ("an unknown pipeline", small.clone(), vec![("pipeline", "nope")], 404, "no OCR pipeline 'nope'"),
@@ -312,7 +283,7 @@ fn hostile_documents_get_a_clear_4xx_and_change_nothing() {
 fn a_long_pdf_is_read_in_page_batches_whose_memory_does_not_grow_with_its_length() {
     let server = Server::start("ocr-long", &config("page_batch = 4"), &[]);
     let page = |i: usize| format!("Page {i} of the annual report");
-    let document = |n: usize| pdf(&(1..=n).map(page).collect::<Vec<_>>(), 360, 360);
+    let document = |n: usize| pdf::one_line_per_page(&(1..=n).map(page).collect::<Vec<_>>(), 360, 360);
     let read = |n: usize| {
         let (status, body) = ocr(&server, document(n), "report.pdf", &[("use_cls", "false")]);
         assert_eq!(status, 200, "{body}");
