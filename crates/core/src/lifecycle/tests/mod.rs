@@ -28,14 +28,7 @@ pub(crate) fn config(budget_mb: u64) -> SchedulerConfig {
     SchedulerConfig {
         budgets: [(Device::Cpu, budget_mb * MB)].into(),
         baselines: [(Device::Cpu, 0)].into(),
-        headroom: 0,
-        max_loaded_models: 0,
-        retry_after: Duration::from_secs(5),
-        backoff_base: Duration::from_secs(1),
-        backoff_max: Duration::from_secs(60),
-        queue_timeout: Duration::from_secs(30),
-        max_swap_delay: Duration::from_millis(200),
-        max_concurrent_inferences: 0,
+        ..SchedulerConfig::default()
     }
 }
 
