@@ -7,10 +7,12 @@
 //! and rapidocr's texts; read together, pages share runs and give the same pages.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
+use common::{models, reference, root};
 use std::{
     any::Any,
     collections::VecDeque,
-    path::PathBuf,
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc, Mutex, OnceLock,
@@ -18,61 +20,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use serde_json::Value;
-use snooze_backend_ort::OrtBackend;
-use snooze_core::{
-    Backend, Device, InferError, LoadSpec, LoadedModel, ModelSignature, Progress, TaskJob, Tensor, TensorData,
-};
+use snooze_core::{InferError, LoadedModel, ModelSignature, Progress, TaskJob, Tensor, TensorData};
 use snooze_vision::{
     jobs::{page_times, ClsJob, DetJob, JobTimes, RecJob},
-    read_page, BgrImage, CtcDecoder, Document, InputLimits, OcrOptions, Page, Stage, StageTimes,
+    read_page, BgrImage, Document, InputLimits, OcrOptions, Page, Stage, StageTimes,
 };
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn reference() -> &'static Value {
-    static REF: OnceLock<Value> = OnceLock::new();
-    REF.get_or_init(|| {
-        let text = std::fs::read_to_string(root().join("tests/fixtures/ocr_reference.json")).unwrap();
-        serde_json::from_str(&text).unwrap()
-    })
-}
-
-struct Models {
-    det: Arc<dyn LoadedModel>,
-    cls: Arc<dyn LoadedModel>,
-    rec: Arc<dyn LoadedModel>,
-    decoder: Arc<CtcDecoder>,
-}
-
-fn models() -> &'static Models {
-    static MODELS: OnceLock<Models> = OnceLock::new();
-    MODELS.get_or_init(|| {
-        let backend = OrtBackend::new(None).unwrap_or_else(|e| panic!("these tests need ONNX Runtime: {e}"));
-        let load = |name: &str| {
-            let path = root().join("models").join(name);
-            assert!(path.exists(), "{} is missing: run `make prepare`", path.display());
-            let spec = LoadSpec {
-                name: name.to_owned(),
-                path,
-                device: Device::Cpu,
-                intra_op_threads: 1,
-                instances: 1,
-                weights: snooze_core::Weights::Prepacked,
-            };
-            backend.load(&spec).unwrap()
-        };
-        let keys = std::fs::read_to_string(root().join("models/ocr-rec/keys.txt")).unwrap();
-        Models {
-            det: load("ocr-det"),
-            cls: load("ocr-cls"),
-            rec: load("ocr-rec"),
-            decoder: Arc::new(CtcDecoder::from_keys(&keys)),
-        }
-    })
-}
 
 /// A model that counts its runs and their batch sizes, and fails while told to (as
 /// an out-of-memory run would).

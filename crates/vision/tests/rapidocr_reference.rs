@@ -6,67 +6,18 @@
 //! this crate's functions next to the models'.
 #![allow(clippy::unwrap_used)]
 
-use std::{
-    path::PathBuf,
-    sync::{Arc, OnceLock},
-    time::{Duration, Instant},
-};
+mod common;
+
+use common::{models, reference, root};
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use snooze_backend_ort::OrtBackend;
-use snooze_core::{Backend, Device, LoadSpec, LoadedModel, Tensor};
+use snooze_core::Tensor;
 use snooze_vision::{
-    read_page, text_boxes, BgrImage, CtcDecoder, Document, InputLimits, OcrOptions, Page, Stage, StageTimes,
-    VisionError,
+    read_page, text_boxes, BgrImage, Document, InputLimits, OcrOptions, Page, Stage, StageTimes, VisionError,
 };
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn reference() -> &'static Value {
-    static REF: OnceLock<Value> = OnceLock::new();
-    REF.get_or_init(|| {
-        let text = std::fs::read_to_string(root().join("tests/fixtures/ocr_reference.json")).unwrap();
-        serde_json::from_str(&text).unwrap()
-    })
-}
-
-struct Models {
-    det: Arc<dyn LoadedModel>,
-    cls: Arc<dyn LoadedModel>,
-    rec: Arc<dyn LoadedModel>,
-    decoder: CtcDecoder,
-}
-
-fn models() -> &'static Models {
-    static MODELS: OnceLock<Models> = OnceLock::new();
-    MODELS.get_or_init(|| {
-        let backend = OrtBackend::new(None).unwrap_or_else(|e| panic!("these tests need ONNX Runtime: {e}"));
-        let load = |name: &str| {
-            let path = root().join("models").join(name);
-            assert!(path.exists(), "{} is missing: run `make prepare`", path.display());
-            let spec = LoadSpec {
-                name: name.to_owned(),
-                path,
-                device: Device::Cpu,
-                intra_op_threads: 1,
-                instances: 1,
-                weights: snooze_core::Weights::Prepacked,
-            };
-            backend.load(&spec).unwrap()
-        };
-        let keys = std::fs::read_to_string(root().join("models/ocr-rec/keys.txt")).unwrap();
-        Models {
-            det: load("ocr-det"),
-            cls: load("ocr-cls"),
-            rec: load("ocr-rec"),
-            decoder: CtcDecoder::from_keys(&keys),
-        }
-    })
-}
 
 /// Runs a stage's model; keeps the detector's output for the box comparison.
 fn runner<'a>(det_output: &'a mut Option<Tensor>) -> impl FnMut(Stage, Tensor) -> Result<Tensor, Error> + 'a {
