@@ -7,6 +7,7 @@
 
 use std::time::{Duration, Instant};
 
+mod fairness;
 mod prepare;
 mod queueing;
 mod rules;

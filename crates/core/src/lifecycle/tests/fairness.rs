@@ -1,0 +1,106 @@
+//! Fairness between long jobs and short requests (issue 21): a task job (a transcription,
+//! an OCR page) runs in slices, and each slice's end puts it at the back of the line, so
+//! requests that arrived meanwhile run first — and it is not starved, since requests that
+//! arrive after its slice ended queue behind it. One run slot (`max_concurrent_inferences
+//! = 1`) makes the order visible.
+
+use super::*;
+
+/// "long" is a task job's model, "short" a 1 ms classifier; one run at a time.
+fn harness() -> Harness {
+    let mut h = Harness::new(1000, &[("long", 100), ("short", 10)]);
+    h.s.config.max_concurrent_inferences = 1;
+    h
+}
+
+/// The slice of `req` ends; the job goes on (`continuing`).
+fn slice_ends(h: &mut Harness, req: RequestId) -> Vec<Action> {
+    let (model, reqs, _) = h.batch_of(req).expect("dispatched");
+    let a = h.feed(Event::RunFinished {
+        model,
+        reqs: vec![],
+        outcome: RunOutcome::Done,
+        took: Duration::from_millis(200),
+        continuing: reqs.iter().map(|&req| Resume { req, rows: 1, key: Some(2) }).collect(),
+    });
+    h.settle(a)
+}
+
+/// The models of the batches `actions` dispatched, in order.
+fn dispatched(h: &Harness, actions: &[Action]) -> Vec<String> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Dispatch { model, .. } => Some(h.s.slot(*model).name().to_string()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_short_request_runs_between_two_slices_of_a_long_job() {
+    let mut h = harness();
+    h.call("short").unwrap();
+    let job = h.use_model("long").unwrap();
+    h.at(0.05);
+    let (quick, a) = h.submit("short");
+    assert_eq!(dispatched(&h, &a), Vec::<String>::new(), "the one run slot is the job's slice");
+    h.at(0.2);
+    let a = slice_ends(&mut h, job);
+    assert_eq!(dispatched(&h, &a), ["short"], "the slice ended: the request that came meanwhile runs first");
+    assert_eq!(h.outcome(quick), Some(Ok(())));
+    h.at(0.201);
+    let a = h.finish(quick);
+    assert_eq!(dispatched(&h, &a), ["long"], "then the job's next slice");
+}
+
+#[test]
+fn a_long_job_is_not_starved_by_a_stream_of_short_requests() {
+    // Short requests keep coming, always one waiting: still, between two short batches the
+    // job gets its slice, because it went back in line before the next short one came.
+    let mut h = harness();
+    h.call("short").unwrap();
+    let job = h.use_model("long").unwrap();
+    let mut t = 0.0;
+    for round in 0..10 {
+        h.at(t + 0.05);
+        let (during_slice, _) = h.submit("short");
+        h.at(t + 0.2);
+        let a = slice_ends(&mut h, job);
+        assert_eq!(dispatched(&h, &a), ["short"], "round {round}: the waiting short batch first");
+        h.at(t + 0.21);
+        let (after_slice, a) = h.submit("short");
+        assert!(dispatched(&h, &a).is_empty(), "round {round}: one run at a time");
+        h.at(t + 0.22);
+        let a = h.finish(during_slice);
+        assert_eq!(
+            dispatched(&h, &a),
+            ["long"],
+            "round {round}: the job, back in line before the newer short"
+        );
+        assert_eq!(h.outcome(after_slice), None, "round {round}: it waits for the slice");
+        t += 0.22;
+        // The short request that came after the slice ended runs with the next one.
+        h.at(t + 0.05);
+        let a = slice_ends(&mut h, job);
+        assert_eq!(dispatched(&h, &a), ["short"]);
+        h.at(t + 0.06);
+        let a = h.finish(after_slice);
+        assert_eq!(dispatched(&h, &a), ["long"], "round {round}: nothing else waits: the job goes on");
+        t += 0.06;
+    }
+}
+
+#[test]
+fn a_slice_does_not_jump_ahead_of_requests_of_its_own_model() {
+    // Two jobs of one model: the second arrived during the first's slice; at the slice's
+    // end the first goes behind it, and jobs resumed together share the next slice.
+    let mut h = harness();
+    let first = h.use_model("long").unwrap();
+    h.at(0.1);
+    let (second, _) = h.submit_with("long", None, 1, Some(2));
+    h.at(0.2);
+    slice_ends(&mut h, first);
+    let (_, reqs, _) = h.batch_of(second).expect("the second job got the slot");
+    assert_eq!(reqs, [second, first], "both in one batch, the waiting one first");
+}
