@@ -194,6 +194,18 @@ pub fn process_rss_bytes() -> u64 {
     pages * u64::try_from(page).unwrap_or(4096)
 }
 
+/// Private resident memory of this process — anonymous pages (heaps, ONNX Runtime's
+/// arenas), without file pages (mapped weights) — from `/proc/self/statm`: resident
+/// less shared.
+pub fn process_private_bytes() -> u64 {
+    let statm = fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let mut fields = statm.split_whitespace().skip(1).map(|p| p.parse::<u64>().unwrap_or(0));
+    let (resident, shared) = (fields.next().unwrap_or(0), fields.next().unwrap_or(0));
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    resident.saturating_sub(shared) * u64::try_from(page).unwrap_or(4096)
+}
+
 /// Resets the process's high-water mark (VmHWM) so a load's peak can be read after it.
 pub fn reset_peak_rss() {
     // "5" resets the peak RSS (Linux >= 4.0); where that is not allowed, the peak

@@ -2,10 +2,15 @@
 //!
 //! A pass can leave memory resident: ONNX Runtime's arena keeps the activations of the
 //! largest shape it ran, which for a model with dynamic dimensions (an OCR detector fed
-//! a larger image) is far more than its weights. What the process's RSS grew across a
-//! run is that run's only when nothing else started or was in progress meanwhile
-//! (another run, a load, a conversion); then it is added to the model's learned
-//! footprint.
+//! a larger image) is far more than its weights. What the process's *private* memory
+//! grew across a run is that run's only when nothing else started or was in progress
+//! meanwhile (another run, a load, a conversion); then it is added to the model's
+//! learned footprint.
+//!
+//! Private, not all of RSS: a `mapped` model's first run faults in its weights' file
+//! pages, which its load already accounted as the whole file; counting them again
+//! doubled such a model's footprint (a 100 MB model learned 201 MiB and was refused
+//! under a 300 MiB budget it fits in). Arenas and heaps are anonymous memory.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
@@ -43,8 +48,8 @@ impl WorkMeter {
     pub fn begin(&self) -> Work<'_> {
         let ticket = self.started.fetch_add(1, Ordering::SeqCst) + 1;
         let alone = self.active.fetch_add(1, Ordering::SeqCst) == 0;
-        // Work that did not start alone can never be measured: no RSS reading for it.
-        let before = alone.then(crate::memory::process_rss_bytes);
+        // Work that did not start alone can never be measured: no reading for it.
+        let before = alone.then(crate::memory::process_private_bytes);
         Work { meter: self, ticket, before }
     }
 }
@@ -68,19 +73,19 @@ impl Watch<'_> {
 pub struct Work<'a> {
     meter: &'a WorkMeter,
     ticket: u64,
-    /// RSS at the start, read only when the work started alone.
+    /// Private memory at the start, read only when the work started alone.
     before: Option<u64>,
 }
 
 impl Work<'_> {
-    /// What RSS grew since `begin`, less `held` bytes the work still holds (its
+    /// What private memory grew since `begin`, less `held` bytes the work still holds (its
     /// outputs), if no other work was in progress or started meanwhile; `None` when
     /// the growth cannot be attributed.
     pub fn grew(&self, held: u64) -> Option<u64> {
         let still_alone = self.meter.started.load(Ordering::SeqCst) == self.ticket
             && self.meter.active.load(Ordering::SeqCst) == 1;
         let before = self.before.filter(|_| still_alone)?;
-        Some(crate::memory::process_rss_bytes().saturating_sub(before).saturating_sub(held))
+        Some(crate::memory::process_private_bytes().saturating_sub(before).saturating_sub(held))
     }
 }
 
