@@ -467,10 +467,12 @@ impl Scheduler {
         self.slots[model].policy.devices.iter().position(|d| d == device).unwrap_or(0)
     }
 
-    /// Starts what can start: loads (and the evictions they need), then batches, then
-    /// a background preparation if the host is quiet.
+    /// Starts what can start: the copy of a model that churns (before the loads, which
+    /// would otherwise take every gap it could use), loads (and the evictions they need),
+    /// batches, then any other background preparation if the host is quiet.
     pub(super) fn pump(&mut self, now: Instant) {
         self.wake = None;
+        self.plan_preparation();
         self.plan_loads(now);
         self.dispatch(now);
         self.plan_preparation();

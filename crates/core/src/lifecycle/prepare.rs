@@ -4,11 +4,24 @@
 //! the budget is still served, and a refusal's "more than the budget can ever give" is
 //! about the model, never about a one-time cost.
 //!
-//! Preparations run in the background, one at a time, when the host is quiet — no
-//! model waiting to load, no load or unload in progress, pressure normal — and when
-//! their peak fits what is free without evicting anything; their peak is accounted
-//! while they run, like a load's. A model asked for meanwhile loads at once in the
-//! form that needs nothing.
+//! Preparations run in the background, one at a time, pressure normal, their peak
+//! accounted while they run like a load's:
+//!
+//! - for any model when the host is quiet (no model waiting to load, no load or unload in
+//!   progress) and the peak fits what is free without evicting anything;
+//! - at any time for the copy a model's loads use, once the model *churns* — loaded
+//!   [`CHURN_LOADS`] times already without it: each of its swaps pays the slow load again (~300 ms for 100 MB instead of
+//!   ~7 ms), so waiting for a quiet moment, which a busy server never has, would leave it
+//!   slow for good. If its own form's copy does not fit beside what is resident, idle
+//!   models with nothing queued are evicted for it (least recently used first), as they
+//!   would be for a load — a one-time wait of about a second for the requests of those
+//!   models, instead of a slow load at every swap from then on. Never a model that runs or
+//!   has work queued, and never while a load or an unload is in progress.
+//!
+//! A model asked for meanwhile loads at once in the form that needs nothing. A copy whose
+//! peak cannot fit even with every idle model gone (a 300 MiB budget and a 100 MB model)
+//! is never made by the server: the model is served from its `.onnx`, and `snooze
+//! prepare` makes the copy ahead of time.
 
 use crate::{
     backend::{Device, Weights},
@@ -17,11 +30,17 @@ use crate::{
 
 use super::{Action, ModelId, Scheduler, SlotState};
 
+/// Loads without its copy after which a model's preparation no longer waits for a quiet
+/// host: it has been swapped back in, so it will be again.
+pub const CHURN_LOADS: u64 = 2;
+
 /// A preparation still to do for a model: the form it is for and its peak in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Preparation {
     pub weights: Weights,
     pub peak: u64,
+    /// The model's own loads take this form (else it is a promotion's copy).
+    pub loads_in: bool,
 }
 
 /// What a finished preparation changes.
@@ -40,34 +59,61 @@ impl Scheduler {
         self.slots[model].preparations = preparations;
     }
 
-    /// Starts the next preparation if the host is quiet and it fits.
+    /// Starts the next preparation if it is due (a quiet host, or a model that churns)
+    /// and it fits — for a model that churns, once idle models are evicted for it.
     pub(super) fn plan_preparation(&mut self) {
         let cpu = Device::Cpu;
-        let quiet = self.preparing.is_none()
-            && !self.shutting_down
-            && self.pressure == PressureLevel::Normal
-            && !self
-                .slots
-                .iter()
-                .any(|s| s.busy_on(&cpu) || (matches!(s.state, SlotState::Unloaded) && s.wants_load()));
-        if !quiet {
+        if self.preparing.is_some() || self.shutting_down || self.pressure != PressureLevel::Normal {
             return;
         }
+        let busy = self.slots.iter().any(|s| s.busy_on(&cpu));
+        let quiet =
+            !busy && !self.slots.iter().any(|s| matches!(s.state, SlotState::Unloaded) && s.wants_load());
         let free = self.budget(&cpu).saturating_sub(self.accounted(&cpu)).min(self.probe_free(&cpu));
         // Models asked for most recently first: their next load is the likeliest.
         let mut order: Vec<ModelId> = (0..self.slots.len()).collect();
         order.sort_by_key(|&id| std::cmp::Reverse(self.slots[id].last_request));
         let next = order.into_iter().find_map(|id| {
-            let p = self.slots[id].preparations.first()?;
-            (p.peak.saturating_add(self.config.headroom) <= free).then_some((id, *p))
+            let s = &self.slots[id];
+            let p = *s.preparations.first()?;
+            // Only the copy its loads use: a promotion's copy waits for a quiet host.
+            let churns = s.loads >= CHURN_LOADS && p.loads_in;
+            let need = p.peak.saturating_add(self.config.headroom);
+            if !(quiet || churns) {
+                return None;
+            }
+            if need <= free {
+                return Some((id, p, Vec::new()));
+            }
+            if !churns || busy {
+                return None;
+            }
+            let mut freed = 0u64;
+            let mut victims = Vec::new();
+            // No exception: the model's own idle instance may go too (it comes back
+            // from the copy).
+            for v in self.lru_idle(&cpu, ModelId::MAX, self.now) {
+                if need <= free.saturating_add(freed) {
+                    break;
+                }
+                freed = freed.saturating_add(self.slots[v].resident_bytes());
+                victims.push(v);
+            }
+            (need <= free.saturating_add(freed)).then_some((id, p, victims))
         });
-        let Some((model, p)) = next else { return };
+        let Some((model, p, victims)) = next else { return };
         tracing::debug!(
             model = self.slots[model].name(),
             weights = p.weights.as_str(),
             peak = p.peak,
+            evicting = victims.len(),
             "preparing in the background"
         );
+        for v in victims {
+            // Made room, as for a load: it may come back when there is room again.
+            self.slots[v].evicted_at = Some(self.now);
+            self.begin_unload(v, super::UnloadReason::Evicted);
+        }
         self.preparing = Some((model, p.peak));
         self.push(Action::StartPrepare { model, weights: p.weights });
     }

@@ -513,7 +513,11 @@ fn preparations(entry: &ModelEntry) -> Vec<Preparation> {
     forms
         .into_iter()
         .filter_map(|weights| {
-            entry.backend.preparation(&entry.path, weights).map(|peak| Preparation { weights, peak })
+            entry.backend.preparation(&entry.path, weights).map(|peak| Preparation {
+                weights,
+                peak,
+                loads_in: weights == entry.weights,
+            })
         })
         .collect()
 }

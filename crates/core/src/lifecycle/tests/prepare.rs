@@ -7,7 +7,10 @@ use crate::{backend::Weights, error::ErrorKind};
 
 fn prepare(h: &mut Harness, name: &str, peak_mb: u64) {
     let id = h.id(name);
-    h.s.set_preparations(id, vec![Preparation { weights: Weights::Mapped, peak: peak_mb * MB }]);
+    h.s.set_preparations(
+        id,
+        vec![Preparation { weights: Weights::Mapped, peak: peak_mb * MB, loads_in: true }],
+    );
 }
 
 fn prepares(actions: &[Action]) -> Vec<ModelId> {
@@ -122,4 +125,87 @@ fn a_model_that_can_never_fit_is_refused_by_its_own_needs_not_its_conversions() 
     let e = h.outcome(req).expect("answered").expect_err("refused");
     assert_eq!(e.kind, ErrorKind::InsufficientMemory);
     assert!(e.message.contains("needs 400.0 MiB"), "{}", e.message);
+}
+
+#[test]
+fn a_model_that_churns_is_prepared_while_the_host_is_busy() {
+    // Room for one model; a and b take turns, so a load is always waiting and the host is
+    // never quiet. A model swapped back in (loaded twice without its copy) gets its copy
+    // made anyway; one loaded once still waits for a quiet moment.
+    let mut h = Harness::new(400, &[("a", 300), ("b", 300)]);
+    h.call("a").unwrap();
+    h.call("b").unwrap();
+    let running = h.use_model("a").unwrap();
+    assert_eq!((h.s.slot(h.id("a")).loads, h.s.slot(h.id("b")).loads), (2, 1));
+    let (waiting, a) = h.submit("b");
+    h.settle(a);
+    assert_eq!(h.outcome(waiting), None, "b waits for a's run: a load is pending");
+    prepare(&mut h, "b", 50);
+    assert!(prepares(&h.tick()).is_empty(), "b loaded once: its conversion waits for a quiet host");
+    prepare(&mut h, "a", 50);
+    assert_eq!(prepares(&h.tick()), [h.id("a")], "a came back: its conversion runs beside the traffic");
+    assert_eq!(h.s.accounted(&Device::Cpu), 350 * MB, "its peak accounted while it runs");
+    h.finish(running);
+}
+
+/// Room for one model; `a` and `b` have each been loaded twice (they take turns), `b` is
+/// resident and idle.
+fn two_churning_models() -> Harness {
+    let mut h = Harness::new(300, &[("a", 200), ("b", 200)]);
+    for name in ["a", "b", "a", "b"] {
+        h.call(name).unwrap();
+    }
+    assert_eq!((h.state("a"), h.state("b")), (StateName::Unloaded, StateName::Ready));
+    h
+}
+
+#[test]
+fn a_churning_model_s_copy_that_does_not_fit_evicts_idle_models_for_it() {
+    let mut h = two_churning_models();
+    prepare(&mut h, "a", 250);
+    let before = h.evictions().len();
+    let tick = h.tick();
+    let a = h.settle(tick);
+    assert_eq!(h.evictions().len(), before + 1, "one eviction");
+    let evictions = h.evictions();
+    assert_eq!(evictions.last().map(String::as_str), Some("b"), "{evictions:?}");
+    assert_eq!(prepares(&a), [h.id("a")], "b was idle: evicted for a's copy, which then starts");
+    assert_eq!(h.state("b"), StateName::Unloaded);
+    // A request for a meanwhile waits for the copy (250 of 300 MB held), then loads from it.
+    let (req, a) = h.submit("a");
+    h.settle(a);
+    assert_eq!(h.outcome(req), None, "no room beside the conversion");
+    let a = h.feed(Event::PrepareFinished {
+        model: h.id("a"),
+        weights: Weights::Mapped,
+        result: Prepared::Done { steady: Some(200 * MB), peak: Some(200 * MB) },
+    });
+    h.settle(a);
+    assert_eq!(h.outcome(req), Some(Ok(())), "served once the copy is made");
+    h.finish(req);
+}
+
+#[test]
+fn a_churning_model_s_copy_never_evicts_a_model_that_runs_or_has_work_queued() {
+    let mut h = two_churning_models();
+    let running = h.use_model("b").unwrap();
+    prepare(&mut h, "a", 250);
+    let before = h.evictions().len();
+    let a = h.tick();
+    assert!(prepares(&a).is_empty(), "b runs: not evicted for a conversion");
+    assert_eq!(h.evictions().len(), before);
+    let a = h.finish(running);
+    assert_eq!(prepares(&a), [h.id("a")], "once b's run ended and it is idle, it may go");
+    assert_eq!(h.evictions().len(), before + 1);
+}
+
+#[test]
+fn a_copy_that_cannot_fit_even_with_every_idle_model_gone_evicts_nobody() {
+    let mut h = two_churning_models();
+    prepare(&mut h, "a", 400);
+    let before = h.evictions().len();
+    let a = h.tick();
+    assert!(prepares(&a).is_empty());
+    assert_eq!(h.evictions().len(), before, "nothing evicted for a copy that cannot be made");
+    h.call("a").expect("served from its .onnx");
 }
