@@ -560,6 +560,38 @@ class ConfigTest(unittest.TestCase):
         probes = [c["readinessProbe"]["httpGet"]["path"], c["livenessProbe"]["httpGet"]["path"]]
         self.serve_and_stop(self.configmap_toml(), c["args"], probes)
 
+    def test_init_container_prepares_the_state(self):
+        """The Deployment's init container runs `snooze prepare` on the ConfigMap's config:
+        run here as it runs there (models and state_dir swapped for folders of this
+        machine, a real ONNX model in the repository), it exits 0 and leaves the model's
+        ORT-format copy in the state folder the server reads."""
+        init = {c["name"]: c for c in self.pod.get("initContainers", [])}
+        self.assertIn("prepare", init, "the Deployment has no `prepare` init container")
+        c = init["prepare"]
+        self.assertEqual(c["image"], self.container["image"])
+        argv = c["command"] + c["args"]
+        self.assertEqual(argv[:2], ["/usr/local/bin/snooze", "prepare"])
+        self.assertEqual(flag(argv, "--config"), flag(self.container["args"], "--config"))
+        server = tomllib.loads(self.configmap_toml())["server"]
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        main_mounts = {m["mountPath"]: m["name"] for m in self.container["volumeMounts"]}
+        for path in (server["state_dir"], server["model_dir"]):
+            self.assertEqual(mounts.get(path), main_mounts[path], f"the init container must mount {path} as the server does")
+        with tempfile.TemporaryDirectory(prefix="snooze-deploy-prepare-") as tmp:
+            config = os.path.join(tmp, "snooze.toml")
+            with open(config, "w") as f:
+                f.write(self.configmap_toml())
+            repo = os.path.join(tmp, "models")
+            os.makedirs(os.path.join(repo, "classifier"))
+            os.symlink(os.path.join(ROOT, "models", "mlp-10m", "model.onnx"), os.path.join(repo, "classifier", "model.onnx"))
+            state = os.path.join(tmp, "state")
+            args = without(argv[2:], "--config")
+            r = subprocess.run([BINARY, "prepare", "--config", config, *args, "--model-dir", repo, "--state-dir", state],
+                               capture_output=True, text=True, timeout=120)
+            self.assertEqual(r.returncode, 0, f"snooze prepare failed:\n{r.stdout}{r.stderr}")
+            cache = os.listdir(os.path.join(state, "ort-cache"))
+            self.assertTrue(any(n.startswith("classifier-") and n.endswith(".ort") for n in cache), cache)
+
     def test_kserve_runtime_serves(self):
         with open(self.image_config) as f:
             config = f.read()
