@@ -11,7 +11,7 @@ STAMP   := $(VENV)/.stamp
 ORT_DYLIB_PATH = $(shell ls $(CURDIR)/$(VENV)/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime.so.1* 2>/dev/null | head -n1)
 export ORT_DYLIB_PATH
 
-.PHONY: run test prepare system-packages venv models whisper-int8 build bench bench-zipf bench-swap bench-protocols soak bench-embeddings bench-ocr bench-speech bench-mix fmt lint clean
+.PHONY: run test build-tests run-tests prepare system-packages venv models whisper-int8 build bench bench-zipf bench-swap bench-protocols soak bench-embeddings bench-ocr bench-speech bench-mix fmt lint clean
 
 run: prepare
 	cargo build --release --bin snooze
@@ -23,7 +23,21 @@ run: prepare
 # check for processes left behind always come; the first failure's status is the result.
 SKIP_LOG := $(CURDIR)/target/skipped-tests.txt
 
-test: prepare system-packages
+# The tests' build (most of a fresh `make test` on 2 cores) runs beside `prepare` (downloads,
+# model exports); the tests start once both are done. ORT_DYLIB_PATH is read by the sub-make,
+# after `prepare` made the venv.
+test:
+	@$(MAKE) --no-print-directory build-tests & build=$$!; \
+	$(MAKE) --no-print-directory prepare system-packages; prepared=$$?; \
+	wait $$build; built=$$?; \
+	[ $$prepared -eq 0 ] || { echo "make test: prepare failed"; exit $$prepared; }; \
+	[ $$built -eq 0 ] || { echo "make test: the build failed"; exit $$built; }; \
+	$(MAKE) --no-print-directory run-tests
+
+build-tests:
+	cargo test --workspace --no-run
+
+run-tests: prepare system-packages
 	@mkdir -p $(dir $(SKIP_LOG)) && rm -f $(SKIP_LOG); status=0; \
 	export SNOOZE_SKIP_LOG=$(SKIP_LOG); \
 	cargo test --workspace || status=$$?; \
