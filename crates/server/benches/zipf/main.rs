@@ -17,7 +17,8 @@
 //!    skipped, saying so, where the build does not know that key);
 //!
 //! and, unless `SNOOZE_ZIPF_SUITE=scheduler` leaves them out, the runs of issue 21 (cold
-//! start, churn, byte budgets):
+//! start, churn, byte budgets; `SNOOZE_ZIPF_ONLY=zipf-f400,zipf-f400w` runs only the runs
+//! named):
 //!
 //! d. *all resident, fully warm*: (b) after `snooze prepare` and a warm-up that lasts until
 //!    every model was promoted to its prepacked copy: the best this machine does;
@@ -195,9 +196,15 @@ fn main() -> anyhow::Result<()> {
             )
         });
     }
+    // `SNOOZE_ZIPF_ONLY=zipf-a,zipf-f400`: only these runs (ids as in the ratios' names).
+    if let Ok(only) = std::env::var("SNOOZE_ZIPF_ONLY") {
+        let ids: Vec<&str> = only.split(',').map(str::trim).collect();
+        runs.retain(|r| ids.contains(&r.id));
+    }
     // The shared state starts full (`snooze prepare`), so the runs on it are warm by
     // construction, whatever ran before.
-    if let Err(why) = run::prepare(&runs[1]) {
+    let everything = run("all six", "zipf-prepare", config(&models, &six, "", ""), &six, requests);
+    if let Err(why) = run::prepare(&everything) {
         eprintln!("snooze prepare of the shared state failed ({why}); its runs may start cold");
     }
     let mut outcomes = Vec::new();
