@@ -87,7 +87,10 @@ server_settings! {
     /// sooner when it is cheap: after 4x the waiting model's measured swap cost (last
     /// load + first run after it), at least 10 ms.
     max_swap_delay: Duration = "200ms";
-    /// Runs (batches) at once across all models; `0` = no cap.
+    /// Runs (batches) at once across all models; `0` = no cap. Every ONNX session shares one
+    /// intra-op pool as wide as the machine: many small models on a small machine serve more
+    /// with `1` (Zipf benchmark, 2 cores: 269 -> 401 req/s all resident), while a cap makes
+    /// short requests wait for whole slices of long jobs (OCR, speech) in a mix.
     max_concurrent_inferences: u32 = "0";
     /// Let ONNX Runtime's one shared thread pool spin while it waits for work. Measured
     /// with the Zipf benchmark's hot-model rows on 2 cores, two runs each: 658 vs 691
