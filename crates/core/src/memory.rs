@@ -185,25 +185,27 @@ fn stat_field(text: &str, key: &str) -> Option<u64> {
     })
 }
 
+/// `/proc/self/statm`'s resident and shared sizes, in bytes.
+fn statm_resident_shared() -> (u64, u64) {
+    let statm = fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let mut fields = statm.split_whitespace().skip(1).map(|p| p.parse::<u64>().unwrap_or(0));
+    let (resident, shared) = (fields.next().unwrap_or(0), fields.next().unwrap_or(0));
+    // SAFETY: sysconf has no preconditions.
+    let page = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+    (resident * page, shared * page)
+}
+
 /// Resident set size of this process, from `/proc/self/statm`.
 pub fn process_rss_bytes() -> u64 {
-    let statm = fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: u64 = statm.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
-    // SAFETY: sysconf has no preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    pages * u64::try_from(page).unwrap_or(4096)
+    statm_resident_shared().0
 }
 
 /// Private resident memory of this process — anonymous pages (heaps, ONNX Runtime's
 /// arenas), without file pages (mapped weights) — from `/proc/self/statm`: resident
 /// less shared.
 pub fn process_private_bytes() -> u64 {
-    let statm = fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let mut fields = statm.split_whitespace().skip(1).map(|p| p.parse::<u64>().unwrap_or(0));
-    let (resident, shared) = (fields.next().unwrap_or(0), fields.next().unwrap_or(0));
-    // SAFETY: sysconf has no preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    resident.saturating_sub(shared) * u64::try_from(page).unwrap_or(4096)
+    let (resident, shared) = statm_resident_shared();
+    resident.saturating_sub(shared)
 }
 
 /// Resets the process's high-water mark (VmHWM) so a load's peak can be read after it.

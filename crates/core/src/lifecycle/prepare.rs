@@ -63,7 +63,12 @@ impl Scheduler {
     /// and it fits — for a model that churns, once idle models are evicted for it.
     pub(super) fn plan_preparation(&mut self) {
         let cpu = Device::Cpu;
-        if self.preparing.is_some() || self.shutting_down || self.pressure != PressureLevel::Normal {
+        // Runs on every event (twice): cheap once nothing is left to prepare.
+        if self.preparing.is_some()
+            || self.shutting_down
+            || self.pressure != PressureLevel::Normal
+            || self.slots.iter().all(|s| s.preparations.is_empty())
+        {
             return;
         }
         let busy = self.slots.iter().any(|s| s.busy_on(&cpu));
