@@ -56,7 +56,7 @@ fn load_costs_what_the_estimate_says_and_unload_gives_it_back() {
     let (steady, peak) = (estimate.steady_bytes.unwrap(), estimate.peak_bytes.unwrap());
     let weights = std::fs::metadata(dir.join("model.safetensors")).unwrap().len();
 
-    reset_peak_rss();
+    let _ = reset_peak_rss();
     let before = process_rss_bytes();
     let model = backend.load(&spec(dir.clone())).unwrap();
     let loaded = process_rss_bytes();

@@ -44,7 +44,12 @@ pub const CONVERSION_PEAK_PER_MILLE: u64 = 2_700;
 /// copy), from its files.
 pub(crate) fn conversion_peak(path: &Path) -> Option<u64> {
     let (_, model, external) = file_bytes(path).ok()?;
-    Some(scale(model.saturating_add(external), CONVERSION_PEAK_PER_MILLE).saturating_add(FLOOR_BYTES))
+    Some(conversion_peak_of(model.saturating_add(external)))
+}
+
+/// The peak of converting a graph of `bytes`.
+pub(crate) fn conversion_peak_of(bytes: u64) -> u64 {
+    scale(bytes, CONVERSION_PEAK_PER_MILLE).saturating_add(FLOOR_BYTES)
 }
 
 /// An embedding model also holds its tokenizer's tables (about 4x `tokenizer.json`)

@@ -42,6 +42,8 @@ pub(crate) struct OrtModel {
     sessions: Vec<Mutex<Option<Runner>>>,
     /// What `InPlace` sessions use; dropped after them.
     bytes: Option<ModelBytes>,
+    /// Runs shrink the arena when they end (see [`run_options`]).
+    release: bool,
 }
 
 impl OrtModel {
@@ -53,12 +55,14 @@ impl OrtModel {
         signature: ModelSignature,
         sessions: Vec<Runner>,
         bytes: Option<ModelBytes>,
+        release: bool,
     ) -> OrtModel {
         OrtModel {
             name,
             signature,
             sessions: sessions.into_iter().map(|s| Mutex::new(Some(s))).collect(),
             bytes,
+            release,
         }
     }
 
@@ -166,7 +170,7 @@ impl LoadedModel for OrtModel {
             .filter(|n| unique.insert(**n))
             .fold(OutputSelector::no_default(), |s, n| s.with(*n));
         let run_failed = |e: ort::Error| errors::infer_error(&self.name, e.code(), e.message());
-        let options = RunOptions::new().map_err(run_failed)?.with_outputs(selector);
+        let options = run_options(self.release).map_err(run_failed)?.with_outputs(selector);
 
         let mut guard = self.free_session();
         let session = guard
@@ -184,6 +188,17 @@ impl LoadedModel for OrtModel {
             })
             .collect()
     }
+}
+
+/// Options of a run; `release`: the session's arena frees what the run allocated and no
+/// longer uses when it ends, instead of keeping it for the next run (see
+/// `OrtBackend::with_activations_released`).
+pub(crate) fn run_options(release: bool) -> ort::Result<RunOptions> {
+    let mut options = RunOptions::new()?;
+    if release {
+        options.set("memory.enable_memory_arena_shrinkage", "cpu:0")?;
+    }
+    Ok(options)
 }
 
 impl Drop for OrtModel {

@@ -23,7 +23,7 @@ use snooze_speech::whisper::{
     is_whisper_folder, CrossKv, DecoderInput, DecoderOutput, WhisperConfig, WhisperEngine, WhisperModel,
 };
 
-use crate::{errors, estimate};
+use crate::{errors, estimate, weights};
 
 /// The KServe platform name of a Whisper model served by this backend.
 pub const PLATFORM: &str = "onnxruntime_whisper";
@@ -90,9 +90,46 @@ pub(crate) fn estimate(path: &Path, weights: Weights) -> FootprintEstimate {
     e
 }
 
+/// The prepacked copies of both graphs (`weights.rs`) that do not exist yet, as the peak
+/// their conversion holds.
+pub(crate) fn preparation(path: &Path, cache_dir: &Path, library: &Path) -> Option<u64> {
+    let config = WhisperConfig::read(path).ok()?;
+    let missing: u64 = [config.encoder_path(path), config.decoder_path(path)]
+        .iter()
+        .filter(|f| weights::cached_prepacked_file(f, cache_dir, library).is_none())
+        .filter_map(|f| std::fs::metadata(f).ok().map(|m| m.len()))
+        .max()?;
+    // One graph at a time: the larger one's conversion is the peak.
+    Some(estimate::conversion_peak_of(missing))
+}
+
+/// Saves the prepacked copies of both graphs: a load then maps them instead of
+/// optimising and prepacking both graphs again (measured on tiny.en: ~650 ms a load from
+/// the `.onnx` files in a busy mix), and their weights are page cache, not private memory.
+pub(crate) fn prepare(
+    env: &Environment,
+    spec: &LoadSpec,
+    cache_dir: &Path,
+    library: &Path,
+) -> Result<(), LoadError> {
+    let config = WhisperConfig::read(&spec.path).map_err(LoadError::Failed)?;
+    for file in [config.encoder_path(&spec.path), config.decoder_path(&spec.path)] {
+        weights::prepacked_file(env, &file, cache_dir, library)
+            .map_err(|e| LoadError::Failed(format!("model '{}': {e}", spec.name)))?;
+    }
+    Ok(())
+}
+
 /// Loads a Whisper folder: both sessions (the crate's defaults: full graph
-/// optimisation, prepacked weights, the environment's thread pool), then the model.
-pub(crate) fn load(env: &Environment, spec: &LoadSpec) -> Result<Arc<dyn LoadedModel>, LoadError> {
+/// optimisation, prepacked weights, the environment's thread pool) — from their saved
+/// prepacked copies in `cache` (directory, runtime library) when they exist — then the
+/// model.
+pub(crate) fn load(
+    env: &Environment,
+    spec: &LoadSpec,
+    release: bool,
+    cache: Option<(&Path, &Path)>,
+) -> Result<Arc<dyn LoadedModel>, LoadError> {
     let config = WhisperConfig::read(&spec.path).map_err(LoadError::Failed)?;
     let session = |file: &Path| {
         let failed = |e: &str| errors::load_error(&spec.name, file, e);
@@ -103,18 +140,21 @@ pub(crate) fn load(env: &Environment, spec: &LoadSpec) -> Result<Arc<dyn LoadedM
                 file.display()
             )));
         }
+        let source = cache
+            .and_then(|(dir, library)| weights::cached_prepacked_file(file, dir, library))
+            .unwrap_or_else(|| file.to_path_buf());
         Session::builder(env)
             .map_err(|e| failed(e.message()))?
             .with_optimization_level(GraphOptimizationLevel::All)
             .map_err(|e| failed(e.message()))?
             .with_prepacking(true)
             .map_err(|e| failed(e.message()))?
-            .commit_from_file(file)
+            .commit_from_file(&source)
             .map_err(|e| failed(e.message()))
     };
     let encoder = session(&config.encoder_path(&spec.path))?;
     let decoder = session(&config.decoder_path(&spec.path))?;
-    let engine = OrtWhisper::new(&spec.name, &config, encoder, decoder);
+    let engine = OrtWhisper::new(&spec.name, &config, encoder, decoder, release);
     let model = WhisperModel::new(&spec.name, &spec.path, Box::new(engine), PLATFORM)
         .map_err(|e| LoadError::Failed(format!("cannot load model '{}': {e}", spec.name)))?;
     // Session creation reads and parses both files into buffers freed by now; glibc keeps
@@ -140,10 +180,19 @@ pub(crate) struct OrtWhisper {
     decoder: Mutex<Session>,
     /// Per layer: `cross_k_{i}`, `cross_v_{i}`; `past_k_{i}`...; `new_k_{i}`...
     names: Vec<[String; 6]>,
+    /// An encoder run hands its activations (two `heads x 1500 x 1500` attention
+    /// tensors per window) back when it ends; a decoder step's are small and kept.
+    release: bool,
 }
 
 impl OrtWhisper {
-    fn new(name: &str, config: &WhisperConfig, encoder: Session, decoder: Session) -> OrtWhisper {
+    fn new(
+        name: &str,
+        config: &WhisperConfig,
+        encoder: Session,
+        decoder: Session,
+        release: bool,
+    ) -> OrtWhisper {
         let names = (0..config.decoder_layers)
             .map(|i| {
                 ["cross_k", "cross_v", "past_k", "past_v", "new_k", "new_v"]
@@ -159,6 +208,7 @@ impl OrtWhisper {
             encoder: Mutex::new(encoder),
             decoder: Mutex::new(decoder),
             names,
+            release,
         }
     }
 
@@ -204,7 +254,10 @@ impl WhisperEngine for OrtWhisper {
         let input =
             view(vec![dim(batch), dim(self.n_mels), dim(frames)], mel).map_err(|e| self.failed(&e))?;
         let mut session = self.encoder.lock().unwrap_or_else(PoisonError::into_inner);
-        let outputs = session.run(vec![("mel".to_owned(), input)]).map_err(|e| self.failed(&e))?;
+        let options = crate::model::run_options(self.release).map_err(|e| self.failed(&e))?;
+        let outputs = session
+            .run_with_options(vec![("mel".to_owned(), input)], &options)
+            .map_err(|e| self.failed(&e))?;
         let mut cross = CrossKv::default();
         for names in &self.names {
             cross.keys.push(self.output(&outputs, &names[0])?);

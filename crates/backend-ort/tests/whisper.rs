@@ -593,3 +593,29 @@ fn speed_of_whisper_on_onnx_runtime() {
         }
     }
 }
+
+#[test]
+fn tiny_en_from_its_prepared_copies_gives_the_same_tokens() {
+    let dir = common::cache_dir("whisper-prepacked");
+    let b = backend().with_cache_dir(&dir);
+    let path = model("whisper-tiny-en");
+    assert!(b.preparation(&path, snooze_core::Weights::Prepacked).is_some(), "nothing prepared yet");
+    let spec = cpu("whisper-tiny-en", path.clone());
+    b.prepare(&spec).unwrap();
+    assert_eq!(b.preparation(&path, snooze_core::Weights::Prepacked), None, "both graphs prepared");
+    let copies =
+        std::fs::read_dir(&dir).unwrap().filter_map(Result::ok).filter(|e| e.path().is_dir()).count();
+    assert_eq!(copies, 2, "one prepacked copy per graph");
+    let started = std::time::Instant::now();
+    drop(backend().load(&spec).unwrap());
+    let from_onnx = started.elapsed();
+    let started = std::time::Instant::now();
+    let model = b.load(&spec).unwrap();
+    println!(
+        "loaded in {from_onnx:?} from the .onnx files, {:?} from the prepared copies",
+        started.elapsed()
+    );
+    check_fixture_windows(&model, tiny_fixture());
+    drop(model);
+    let _ = std::fs::remove_dir_all(&dir);
+}

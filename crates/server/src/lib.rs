@@ -55,7 +55,8 @@ impl Backends {
         let onnx = if config.models.iter().any(|m| m.backend == BackendKind::Onnx) {
             let ort = OrtBackend::with_pool(None, pool)
                 .map_err(anyhow::Error::msg)?
-                .with_cache_dir(config.server.state_dir.join("ort-cache"));
+                .with_cache_dir(config.server.state_dir.join("ort-cache"))
+                .with_activations_released(config.server.release_activations);
             Some(Arc::new(ort) as Arc<dyn Backend>)
         } else {
             None
@@ -193,6 +194,8 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
             tuned,
             "low-RAM mode: one malloc arena, 64 KiB mmap threshold, trim after large requests"
         );
+    } else if config.server.release_activations && !snooze_core::memory::return_large_blocks() {
+        tracing::warn!("the allocator keeps freed blocks: released activations stay resident until a trim");
     }
     // Installed before anything is recorded: the counters start at the first event.
     request::metrics::handle();

@@ -9,6 +9,7 @@
 //! still accounted by the scheduler while it runs, and a memory cgroup sees it as ours.
 
 use std::{
+    os::unix::process::CommandExt,
     path::{Path, PathBuf},
     process::{Command, Stdio},
 };
@@ -32,7 +33,17 @@ impl ChildPreparer {
 
 impl Preparer for ChildPreparer {
     fn prepare(&self, backend: &dyn Backend, spec: &LoadSpec) -> Result<(), LoadError> {
-        let child = Command::new(&self.exe)
+        let mut command = Command::new(&self.exe);
+        // It dies with the server (with this thread, which waits for it): a conversion
+        // must not go on writing into the state dir of a server that stopped.
+        // SAFETY: prctl is async-signal-safe; the closure allocates nothing.
+        unsafe {
+            command.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let child = command
             .arg("prepare-model")
             .args(["--backend", backend.name(), "--weights", spec.weights.as_str()])
             .arg("--path")
