@@ -7,6 +7,11 @@
 //! meanwhile (another run, a load, a conversion); then it is added to the model's
 //! learned footprint.
 //!
+//! What a run held at its peak and gave back before it ended (the activations ONNX
+//! Runtime releases when a run ends, see `release_activations`) is read from the
+//! process's peak RSS, reset when the run starts: it is the run's *transient*, which
+//! the scheduler reserves while the model has work.
+//!
 //! Private, not all of RSS: a `mapped` model's first run faults in its weights' file
 //! pages, which its load already accounted as the whole file; counting them again
 //! doubled such a model's footprint (a 100 MB model learned 201 MiB and was refused
@@ -50,7 +55,8 @@ impl WorkMeter {
         let alone = self.active.fetch_add(1, Ordering::SeqCst) == 0;
         // Work that did not start alone can never be measured: no reading for it.
         let before = alone.then(crate::memory::process_private_bytes);
-        Work { meter: self, ticket, before }
+        let peak_reset = alone && crate::memory::reset_peak_rss();
+        Work { meter: self, ticket, before, peak_reset }
     }
 }
 
@@ -75,6 +81,18 @@ pub struct Work<'a> {
     ticket: u64,
     /// Private memory at the start, read only when the work started alone.
     before: Option<u64>,
+    /// The process's peak RSS was reset at the start (alone).
+    peak_reset: bool,
+}
+
+/// What a piece of work did to memory, where it can be told (see [`Work::measure`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Growth {
+    /// Private memory it left resident.
+    pub kept: Option<u64>,
+    /// Memory it held at its peak and gave back before it ended (a run's activations
+    /// when the runtime releases them).
+    pub transient: Option<u64>,
 }
 
 impl Work<'_> {
@@ -82,10 +100,30 @@ impl Work<'_> {
     /// outputs), if no other work was in progress or started meanwhile; `None` when
     /// the growth cannot be attributed.
     pub fn grew(&self, held: u64) -> Option<u64> {
-        let still_alone = self.meter.started.load(Ordering::SeqCst) == self.ticket
-            && self.meter.active.load(Ordering::SeqCst) == 1;
-        let before = self.before.filter(|_| still_alone)?;
+        let before = self.before.filter(|_| self.still_alone())?;
         Some(crate::memory::process_private_bytes().saturating_sub(before).saturating_sub(held))
+    }
+
+    /// [`Work::grew`], and what the work held at its peak beyond what is resident now:
+    /// the process's peak RSS since `begin` less its RSS now, if nothing else ran.
+    pub fn measure(&self, held: u64) -> Growth {
+        let kept = self.grew(held);
+        let transient = (self.peak_reset && kept.is_some())
+            .then(crate::memory::peak_rss_bytes)
+            .flatten()
+            .filter(|_| self.still_alone())
+            .map(|peak| peak.saturating_sub(crate::memory::process_rss_bytes()));
+        Growth { kept, transient }
+    }
+
+    /// No other work was in progress when this began, nor started since.
+    pub fn alone(&self) -> bool {
+        self.before.is_some() && self.still_alone()
+    }
+
+    fn still_alone(&self) -> bool {
+        self.meter.started.load(Ordering::SeqCst) == self.ticket
+            && self.meter.active.load(Ordering::SeqCst) == 1
     }
 }
 

@@ -20,7 +20,7 @@ use std::{
 
 use tokio::sync::oneshot;
 
-pub use meter::{Watch, Work, WorkMeter, PREPARING, WORK};
+pub use meter::{Growth, Watch, Work, WorkMeter, PREPARING, WORK};
 
 use crate::{
     backend::{EmbedInput, Embeddings, InferError, LoadedModel},
@@ -165,7 +165,7 @@ pub(crate) fn run_batch(
     jobs: Jobs,
     max_rows: u32,
     work: &Work<'_>,
-) -> (BatchEnd, Option<u64>) {
+) -> (BatchEnd, Growth) {
     if jobs.first().is_some_and(|(_, j)| matches!(j.payload, Payload::Task(_))) {
         return task::run_slice(model, name, jobs, work);
     }
@@ -173,8 +173,8 @@ pub(crate) fn run_batch(
     let payloads: Vec<&Payload> = jobs.iter().map(|(_, j)| &j.payload).collect();
     let result = catch_unwind(AssertUnwindSafe(|| run(model, &payloads, max_rows)));
     let grew = match &result {
-        Ok(Ok(outputs)) => work.grew(outputs.iter().map(|o| o.byte_size() as u64).sum()),
-        _ => None,
+        Ok(Ok(outputs)) => work.measure(outputs.iter().map(|o| o.byte_size() as u64).sum()),
+        _ => Growth::default(),
     };
     (answer_batch(model, name, jobs, max_rows, result), grew)
 }

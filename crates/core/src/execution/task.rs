@@ -11,14 +11,14 @@ use crate::{
     task::{Progress, TaskJob},
 };
 
-use super::{answer, panicked, BatchEnd, Jobs, Output, Payload, Work};
+use super::{answer, panicked, BatchEnd, Growth, Jobs, Output, Payload, Work};
 
 pub(super) fn run_slice(
     model: &dyn LoadedModel,
     name: &str,
     mut jobs: Jobs,
     work: &Work<'_>,
-) -> (BatchEnd, Option<u64>) {
+) -> (BatchEnd, Growth) {
     let held = |jobs: &Jobs| jobs.iter().map(|(_, j)| j.payload.byte_size() as u64).sum::<u64>();
     let before = held(&jobs);
     let result = catch_unwind(AssertUnwindSafe(|| {
@@ -33,11 +33,11 @@ pub(super) fn run_slice(
         runner(model, &mut refs)
     }));
     let results = match result {
-        Err(panic) => return (panicked(name, jobs, panic), None),
+        Err(panic) => return (panicked(name, jobs, panic), Growth::default()),
         Ok(r) => r,
     };
     // What the jobs themselves grew to hold is theirs, not the model's working set.
-    let grew = work.grew(held(&jobs).saturating_sub(before));
+    let grew = work.measure(held(&jobs).saturating_sub(before));
     if results.len() != jobs.len() {
         let e = SnoozeError::new(
             ErrorKind::Internal,

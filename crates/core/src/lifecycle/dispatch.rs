@@ -49,6 +49,10 @@ impl Scheduler {
             {
                 return;
             }
+            if self.waits_for_memory(model) {
+                return;
+            }
+            let s = &self.slots[model];
             let max = s.policy.max_batch_size.max(1);
             if !s.policy.batch_delay.is_zero() && head.key.is_some() && s.queue.batchable_rows() < max {
                 let until = head.since + s.policy.batch_delay;
@@ -72,6 +76,37 @@ impl Scheduler {
             }
             self.push(Action::Dispatch { model, reqs, max_rows });
         }
+    }
+
+    /// A run whose working set fits neither in what is free nor in what evicting the
+    /// idle models would free waits while another model's working set is in use: the
+    /// two run one after the other (as they would share the cores anyway) rather than
+    /// side by side at the cost of every idle model. With no other working set in use
+    /// it runs; `hold_budgets` then evicts what idle models it must.
+    fn waits_for_memory(&self, model: ModelId) -> bool {
+        let s = &self.slots[model];
+        let Some(device) = s.device() else { return false };
+        if s.running > 0 || s.working_bytes == 0 {
+            return false;
+        }
+        let others_working =
+            self.slots.iter().any(|o| o.working_reserved() > 0 && o.device() == Some(device));
+        if !others_working {
+            return false;
+        }
+        let mut free = self.budget(device).saturating_sub(self.accounted(device));
+        for o in &self.slots {
+            match &o.state {
+                SlotState::Unloading { device: d, footprint, .. } if d == device => free += footprint,
+                SlotState::Ready { device: d, footprint, .. }
+                    if d == device && o.idle().is_some() && !o.policy.pinned =>
+                {
+                    free += footprint
+                }
+                _ => {}
+            }
+        }
+        s.working_bytes.saturating_add(self.config.headroom) > free
     }
 
     pub(super) fn on_run_finished(

@@ -100,6 +100,10 @@ impl Scheduler {
             s.measured_peak_bytes = Some(p);
             s.learned_peak_bytes = Some(p);
         }
+        if !s.working_measured {
+            s.working_bytes = s.working_bytes.max(measured.working);
+        }
+        s.kept_bytes = 0;
         let footprint = s.resident_bytes();
         s.evicted_at = None;
         s.fresh = true;
@@ -125,6 +129,7 @@ impl Scheduler {
                     if s.policy.memory.is_none() {
                         *footprint = bytes;
                         s.measured_bytes = Some(bytes);
+                        s.kept_bytes = 0;
                     }
                 }
             }

@@ -190,6 +190,10 @@ pub struct LoadMeasurement {
     pub steady: Option<u64>,
     /// The most the load held at once.
     pub peak: Option<u64>,
+    /// What the backend says a run may hold beyond the loaded footprint (see
+    /// `LoadedModel::working_bytes`): the model's reservation while it has work until a
+    /// run measures it.
+    pub working: u64,
 }
 
 /// What the shell must do.
@@ -295,18 +299,38 @@ impl Scheduler {
     }
 
     /// A run of a resident model left `grew` bytes resident (measured by the manager
-    /// when nothing else ran): its footprint grows by that, unless the config fixes
-    /// its memory. Returns the new footprint.
+    /// when nothing else ran): its footprint is its load's plus the most one run left
+    /// since, unless the config fixes its memory. Returns the new footprint.
     pub fn learn_pass(&mut self, model: ModelId, grew: u64) -> Option<u64> {
         let s = &mut self.slots[model];
-        if s.policy.memory.is_some() {
+        if s.policy.memory.is_some() || grew <= s.kept_bytes {
             return None;
         }
         let SlotState::Ready { footprint, .. } = &mut s.state else { return None };
-        *footprint = footprint.saturating_add(grew);
-        s.measured_bytes = Some(*footprint);
+        // The most one run left, not the sum: a run reuses what the one before it left
+        // (an arena, the allocator's free lists); a sum counted the allocator's noise
+        // again at every run (an OCR recogniser "grew" to 201 MiB in a minute).
+        *footprint = footprint.saturating_add(grew - s.kept_bytes);
+        s.kept_bytes = grew;
+        // The next load is admitted for it; `measured_bytes` stays the load's alone, so
+        // a reload starts from that (its own runs add theirs again).
         s.learned_bytes = Some(*footprint);
         Some(*footprint)
+    }
+
+    /// A run of `model` held `transient` bytes at its peak and gave them back: its
+    /// working set, held against the budget while it runs, is the largest such run —
+    /// the first one measured replaces what the backend declared (unless the config
+    /// fixed its memory). Returns the working set when it changed.
+    pub fn learn_transient(&mut self, model: ModelId, transient: u64) -> Option<u64> {
+        let s = &mut self.slots[model];
+        if s.policy.memory.is_some() || (s.working_measured && transient <= s.working_bytes) {
+            return None;
+        }
+        let before = s.working_bytes;
+        s.working_bytes = if s.working_measured { before.max(transient) } else { transient };
+        s.working_measured = true;
+        (s.working_bytes != before).then_some(s.working_bytes)
     }
 
     /// Memory given back on purpose (an unload or gc asked for, an emergency) stays
@@ -475,6 +499,7 @@ impl Scheduler {
         self.plan_preparation();
         self.plan_loads(now);
         self.dispatch(now);
+        self.hold_budgets(now);
         self.plan_preparation();
     }
 

@@ -232,7 +232,17 @@ impl Scheduler {
             .max_by_key(|(_, s)| s.last_request)
             .map(|(id, _)| id);
         let Some(model) = candidate else { return };
-        if self.slots[model].admission_bytes().is_none() || !self.room(model, device).fits(0, 0) {
+        // Room it would take from runs about to start: their working sets come first.
+        let starting: u64 = self
+            .slots
+            .iter()
+            .filter(|s| s.is_ready() && s.running == 0 && !s.queue.is_empty() && s.device() == Some(device))
+            .map(|s| s.working_bytes)
+            .sum();
+        let mut room = self.room(model, device);
+        room.budget_free = room.budget_free.saturating_sub(starting);
+        room.probe_free = room.probe_free.saturating_sub(starting);
+        if self.slots[model].admission_bytes().is_none() || !room.fits(0, 0) {
             return;
         }
         tracing::debug!(model = self.slots[model].name(), "preloading an evicted model: it fits again");
@@ -282,8 +292,16 @@ impl Scheduler {
             .iter()
             .filter(|s| matches!(s.state, SlotState::Loading { .. } | SlotState::Ready { .. }))
             .count();
+        // Loaded for requests, it runs at once: room for its working set too, as far as
+        // the budget can ever give it (a working set larger than that still runs).
+        let s = &self.slots[model];
+        let best = self.best_room(device).saturating_sub(self.config.headroom);
+        let need = s.admission_bytes().map(|load| {
+            let running = s.resident_bytes().saturating_add(s.working_bytes).min(best);
+            load.max(running)
+        });
         Room {
-            need: self.slots[model].admission_bytes(),
+            need,
             headroom: self.config.headroom,
             budget_free: self.budget(device).saturating_sub(self.accounted(device)),
             probe_free: self.probe_free(device),
@@ -294,13 +312,21 @@ impl Scheduler {
         }
     }
 
+    /// What the budget can give models other than the pinned ones, at most.
+    fn best_room(&self, device: &Device) -> u64 {
+        let baseline = self.config.baselines.get(device).copied().unwrap_or(0);
+        let pinned: u64 =
+            self.slots.iter().filter(|s| s.policy.pinned).filter_map(|s| s.held_on(device)).sum();
+        self.budget(device).saturating_sub(baseline + pinned)
+    }
+
     pub(super) fn plan(&self, model: ModelId, device: &Device, now: Instant) -> Plan {
         let room = self.room(model, device);
         let baseline = self.config.baselines.get(device).copied().unwrap_or(0);
         let pinned: u64 =
             self.slots.iter().filter(|s| s.policy.pinned).filter_map(|s| s.held_on(device)).sum();
-        if let Some(n) = room.need {
-            let best = self.budget(device).saturating_sub(baseline + pinned);
+        if let Some(n) = self.slots[model].admission_bytes() {
+            let best = self.best_room(device);
             if n.saturating_add(room.headroom) > best {
                 let name = self.slots[model].name();
                 return Plan::Refuse(refusal::never_fits(
@@ -367,13 +393,18 @@ impl Scheduler {
         now: Instant,
         overdue: bool,
     ) -> Vec<(ModelId, Standing)> {
-        let swap_at = self.waiting_since(&self.slots[except]).map(|t| t + self.swap_delay(except));
+        let since = self.waiting_since(&self.slots[except]);
         let mut v: Vec<(bool, Instant, ModelId, Standing)> = Vec::new();
         for (id, s) in self.slots.iter().enumerate() {
             let SlotState::Ready { device: d, last_used, loaded_at, .. } = &s.state else { continue };
             if id == except || s.policy.pinned || d != device {
                 continue;
             }
+            // A model with work is swapped out only once the waiting one has waited what
+            // the swap costs either of them: a model that loads in 2 ms does not throw out,
+            // after 10 ms, one that takes half a second to come back for its job.
+            let swap_at = since.map(|t| t + self.swap_delay(except).max(self.swap_delay(id)));
+            let overdue = overdue && swap_at.is_some_and(|t| t <= now);
             let old_at = *loaded_at + s.policy.min_residency;
             let standing = if old_at > now {
                 Standing::Until(old_at)

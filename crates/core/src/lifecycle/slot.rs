@@ -144,6 +144,14 @@ pub struct ModelSlot {
     /// Measured on an earlier load (possibly an earlier run); preferred to the estimate.
     pub learned_bytes: Option<u64>,
     pub learned_peak_bytes: Option<u64>,
+    /// What a run holds at its peak and gives back when it ends (activations): what the
+    /// backend declared until a run that ran alone measured it, then the largest such
+    /// run. Held against the budget while the model runs (see `held_on`).
+    pub working_bytes: u64,
+    /// `working_bytes` was measured (not the backend's word).
+    pub(super) working_measured: bool,
+    /// The most a run left resident since the last load (already in its footprint).
+    pub(super) kept_bytes: u64,
     pub loads: u64,
     pub evictions: u64,
     pub(super) failures: u32,
@@ -187,6 +195,9 @@ impl ModelSlot {
             measured_peak_bytes: None,
             learned_bytes: None,
             learned_peak_bytes: None,
+            working_bytes: 0,
+            working_measured: false,
+            kept_bytes: 0,
             loads: 0,
             evictions: 0,
             failures: 0,
@@ -259,10 +270,20 @@ impl ModelSlot {
         match &self.state {
             SlotState::Loading { device, reserved } if device == on => Some(*reserved),
             SlotState::Ready { device, footprint, .. } if device == on => {
-                Some(footprint + self.promoting.unwrap_or(0))
+                Some(footprint + self.promoting.unwrap_or(0) + self.working_reserved())
             }
             SlotState::Unloading { device, footprint, .. } if device == on => Some(*footprint),
             _ => None,
+        }
+    }
+
+    /// Its working set while it runs, else nothing: between runs a model holds only its
+    /// footprint.
+    pub(super) fn working_reserved(&self) -> u64 {
+        if self.running > 0 {
+            self.working_bytes
+        } else {
+            0
         }
     }
 
@@ -325,8 +346,12 @@ impl ModelSlot {
             device: self.device().map(|d| d.to_string()),
             footprint_estimated_bytes: self.policy.memory.or(self.policy.estimate_steady),
             footprint_peak_estimated_bytes: self.policy.memory.or(self.policy.estimate_peak),
-            footprint_measured_bytes: self.measured_bytes.or(self.learned_bytes),
+            footprint_measured_bytes: match self.state {
+                SlotState::Ready { footprint, .. } if self.policy.memory.is_none() => Some(footprint),
+                _ => self.measured_bytes.or(self.learned_bytes),
+            },
             footprint_peak_measured_bytes: self.measured_peak_bytes.or(self.learned_peak_bytes),
+            working_bytes: (self.working_bytes > 0).then_some(self.working_bytes),
             leases: self.running,
             queued: Priority::ALL.map(|p| self.queue.len_at(p)),
             last_used_ago: last_used.map(ago),
@@ -352,6 +377,8 @@ pub struct ModelStatus {
     pub footprint_peak_estimated_bytes: Option<u64>,
     pub footprint_measured_bytes: Option<u64>,
     pub footprint_peak_measured_bytes: Option<u64>,
+    /// Held beside the footprint while it has work (see `ModelSlot::working_bytes`).
+    pub working_bytes: Option<u64>,
     /// Batches running now.
     pub leases: u32,
     /// Requests waiting, by priority (low, normal, high).

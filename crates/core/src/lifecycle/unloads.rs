@@ -191,6 +191,44 @@ impl Scheduler {
         }
     }
 
+    /// Keeps what is accounted on each budgeted device within its budget once the memory
+    /// picture grew by itself — a run left more resident than its model's footprint
+    /// said, a model with work reserves its working set — by evicting idle models, least
+    /// recently used first. Models already leaving count as gone; models that are
+    /// running, have work, are pinned or are younger than their `min_residency` stay.
+    pub(super) fn hold_budgets(&mut self, now: Instant) {
+        let devices: Vec<Device> = self.config.budgets.keys().cloned().collect();
+        for device in devices {
+            let leaving: u64 = self
+                .slots
+                .iter()
+                .filter_map(|s| match &s.state {
+                    SlotState::Unloading { device: d, footprint, .. } if *d == device => Some(*footprint),
+                    _ => None,
+                })
+                .sum();
+            let mut staying = self.accounted(&device).saturating_sub(leaving);
+            let budget = self.budget(&device);
+            if staying <= budget {
+                continue;
+            }
+            for victim in self.lru_idle(&device, ModelId::MAX, now) {
+                if staying <= budget {
+                    break;
+                }
+                let bytes = self.slots[victim].held_on(&device).unwrap_or(0);
+                tracing::debug!(
+                    model = self.slots[victim].name(),
+                    over = staying - budget,
+                    "evicted: the budget is overdrawn"
+                );
+                self.slots[victim].evicted_at = Some(now);
+                self.begin_unload(victim, UnloadReason::Evicted);
+                staying = staying.saturating_sub(bytes);
+            }
+        }
+    }
+
     /// Moves a Ready model with nothing running to Unloading.
     pub(super) fn begin_unload(&mut self, model: ModelId, reason: UnloadReason) {
         let s = &mut self.slots[model];

@@ -199,8 +199,11 @@ impl Actor {
                 Event::Cancel { req }
             }
             Command::RunDone { model, reqs, end, took, grew } => {
-                if let Some(grew) = grew.filter(|g| *g >= PASS_GROWTH_FLOOR) {
-                    self.learn_pass(model, grew);
+                if let Some(kept) = grew.kept.filter(|g| *g >= PASS_GROWTH_FLOOR) {
+                    self.learn_pass(model, kept);
+                }
+                if let Some(transient) = grew.transient.filter(|g| *g >= PASS_GROWTH_FLOOR) {
+                    self.learn_transient(model, transient);
                 }
                 // Back in the queue (task jobs with more slices) or for a retry (out of
                 // memory), unless their callers went away meanwhile.
@@ -265,6 +268,20 @@ impl Actor {
         );
         let peak = self.scheduler.slot(model).measured_peak_bytes.map(|p| p.max(footprint));
         self.remember(model, &name, footprint, peak);
+    }
+
+    /// A run held `transient` bytes at its peak and gave them back: the model's working
+    /// set, reserved while it has work from now on (see `Scheduler::learn_transient`).
+    fn learn_transient(&mut self, model: ModelId, transient: u64) {
+        let Some(working) = self.scheduler.learn_transient(model, transient) else { return };
+        tracing::info!(
+            model = %self.scheduler.slot(model).policy.name,
+            transient_bytes = transient,
+            working_bytes = working,
+            "a run held {} at its peak: {} reserved while the model has work",
+            format_bytes(transient),
+            format_bytes(working)
+        );
     }
 
     /// Keeps a measured footprint in the store, for the next load's admission.

@@ -31,7 +31,7 @@ impl Actor {
                 reqs,
                 end: BatchEnd::done(),
                 took: Duration::ZERO,
-                grew: None,
+                grew: execution::Growth::default(),
             });
             return;
         };
@@ -40,7 +40,7 @@ impl Actor {
             let started = Instant::now();
             let work = execution::WORK.begin();
             let (end, grew) = if jobs.is_empty() {
-                (BatchEnd::done(), None)
+                (BatchEnd::done(), execution::Growth::default())
             } else {
                 execution::run_batch(instance.as_ref(), &name, jobs, max_rows, &work)
             };
@@ -69,6 +69,9 @@ impl Actor {
         metrics::counter!(metric::UNLOADS, "model" => name.clone(), "reason" => reason_name).increment(1);
         self.events.record(&name, EventKind::Unloaded, reason_name, Some(bytes));
         tokio::task::spawn_blocking(move || {
+            // Work like a run's: memory given back meanwhile (the model's, and what the
+            // heap trim returns) is not a run's to count.
+            let _work = execution::WORK.begin();
             let started = Instant::now();
             let before = memory::process_rss_bytes();
             let gpu_before = gpu.as_ref().map(|p| p.snapshot().process_bytes);
@@ -132,8 +135,10 @@ impl Actor {
         let probe = self.probe.clone();
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
-            // A run meanwhile must not take the load's memory for its own.
-            let _work = execution::WORK.begin();
+            // A run meanwhile must not take the load's memory for its own, nor the load a
+            // run's: a load that did not run alone is not measured (its model keeps the
+            // figure measured before, learned or estimated).
+            let work = execution::WORK.begin();
             let panicked = || LoadError::Failed(format!("the backend panicked loading '{}'", spec.name));
             // A preparation running beside the load moves RSS by hundreds of MB: what the
             // load took is then not measurable.
@@ -143,14 +148,15 @@ impl Actor {
             probe.reset_peak();
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.load(&spec)))
                 .unwrap_or_else(|_| Err(panicked()));
-            let before = before.filter(|_| preparations.undisturbed());
             let (after, peak) = (probe.process_bytes(), probe.peak_process_bytes());
+            let before = before.filter(|_| preparations.undisturbed() && work.alone());
             let grew =
                 |to: Option<u64>| to.zip(before).and_then(|(t, b)| t.checked_sub(b)).filter(|d| *d > 0);
             let result = result.map(|m| {
                 let measured = LoadMeasurement {
-                    steady: grew(after).map(|s| s + m.working_bytes() + m.mapped_bytes()),
+                    steady: grew(after).map(|s| s + m.mapped_bytes()),
                     peak: grew(peak),
+                    working: m.working_bytes(),
                 };
                 (Loaded { instance: m, grew: grew(after) }, measured)
             });

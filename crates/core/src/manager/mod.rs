@@ -124,13 +124,14 @@ pub(crate) enum Command {
     Cancel {
         req: RequestId,
     },
-    /// `grew`: what the run left resident, when that could be measured (see `WorkMeter`).
+    /// `grew`: what the run left resident and held at its peak, where that could be
+    /// measured (see `WorkMeter`).
     RunDone {
         model: ModelId,
         reqs: Vec<RequestId>,
         end: BatchEnd,
         took: Duration,
-        grew: Option<u64>,
+        grew: crate::execution::Growth,
     },
     /// `form`: how the weights were held (`mapped`, ..., or `onnx`: straight from the
     /// file while the form's preparation is pending).

@@ -69,6 +69,7 @@ pub fn model_json(s: &ModelStatus, backend: &str, now: SystemTime) -> serde_json
         "footprint_measured_bytes": s.footprint_measured_bytes,
         "footprint_peak_estimated_bytes": s.footprint_peak_estimated_bytes,
         "footprint_peak_measured_bytes": s.footprint_peak_measured_bytes,
+        "working_bytes": s.working_bytes,
         "leases": s.leases,
         "queued": {"high": s.queued[2], "normal": s.queued[1], "low": s.queued[0]},
         "last_used": before(s.last_used_ago),

@@ -191,6 +191,7 @@ mod tests {
             footprint_peak_estimated_bytes: Some(est),
             footprint_measured_bytes: measured,
             footprint_peak_measured_bytes: None,
+            working_bytes: None,
             leases: 0,
             queued: [0; 3],
             last_used_ago: None,

@@ -11,6 +11,7 @@ mod fairness;
 mod prepare;
 mod queueing;
 mod rules;
+mod working;
 
 use super::*;
 
@@ -92,17 +93,20 @@ impl Harness {
 
     /// Completes every load / unload in `actions` (and what follows), successfully.
     /// Runs are left running.
-    pub fn settle(&mut self, mut actions: Vec<Action>) -> Vec<Action> {
+    pub fn settle(&mut self, actions: Vec<Action>) -> Vec<Action> {
+        self.settle_loading_in(actions, Duration::from_millis(10))
+    }
+
+    /// [`Harness::settle`], every load taking `took`.
+    pub fn settle_loading_in(&mut self, mut actions: Vec<Action>, took: Duration) -> Vec<Action> {
         let mut all = Vec::new();
         while !actions.is_empty() {
             let a = actions.remove(0);
             all.push(a.clone());
             let more = match a {
-                Action::StartLoad { model, .. } => self.feed(Event::LoadFinished {
-                    model,
-                    result: Ok(LoadMeasurement::default()),
-                    took: Duration::from_millis(10),
-                }),
+                Action::StartLoad { model, .. } => {
+                    self.feed(Event::LoadFinished { model, result: Ok(LoadMeasurement::default()), took })
+                }
                 Action::StartUnload { model, .. } => self.feed(Event::UnloadFinished { model }),
                 _ => vec![],
             };

@@ -410,10 +410,14 @@ fn memory_given_back_on_request_is_not_refilled_by_a_preload() {
 #[test]
 fn a_swap_that_costs_little_is_due_sooner() {
     // c loads in 10 ms and its first run takes 4 ms: a swap for it is due after 4 x 14 ms,
-    // not after the 200 ms max_swap_delay.
+    // not after the 200 ms max_swap_delay — a and b, which it swaps out, cost as little.
     let mut h = Harness::with(250, &[("a", 100), ("b", 100), ("c", 100)], |p| p.max_batch_size = 1);
     h.call("c").unwrap();
     assert_eq!(h.s.swap_delay(2), Duration::from_millis(56));
+    h.at(0.5);
+    h.call("a").unwrap();
+    h.at(0.6);
+    h.call("b").unwrap();
     h.at(1.0);
     h.use_model("a").unwrap();
     h.use_model("b").unwrap(); // c evicted; a and b busy
@@ -425,6 +429,26 @@ fn a_swap_that_costs_little_is_due_sooner() {
     // A model never loaded has no measured cost: the full max_swap_delay.
     let h = Harness::new(250, &[("x", 100)]);
     assert_eq!(h.s.swap_delay(0), Duration::from_millis(200));
+}
+
+#[test]
+fn a_model_with_work_is_swapped_out_only_after_what_its_own_swap_costs() {
+    // c is cheap to swap in (56 ms); a, busy with queued work, costs 4 x (400 + 4) ms to
+    // come back: the swap waits the longer of the two (capped by max_swap_delay).
+    let mut h = Harness::with(150, &[("a", 100), ("c", 100)], |p| p.max_batch_size = 1);
+    h.call("c").unwrap();
+    h.at(0.5);
+    let (first, a) = h.submit("a");
+    h.settle_loading_in(a, Duration::from_millis(400));
+    h.finish(first);
+    assert_eq!(h.s.swap_delay(h.id("a")), Duration::from_millis(200), "capped");
+    h.at(1.0);
+    h.use_model("a").unwrap();
+    h.submit("a");
+    h.at(1.001);
+    let (_, a) = h.submit("c");
+    assert!(a.is_empty());
+    assert_eq!(h.s.next_deadline(), Some(h.t0 + Duration::from_millis(1201)), "a's 200 ms, not c's 56");
 }
 
 #[test]
@@ -453,7 +477,7 @@ fn a_lean_model_that_stays_and_batches_is_promoted_in_place_when_there_is_room()
     assert!(a.is_empty(), "the device is busy promoting");
     let a = h.feed(Event::PromoteFinished {
         model: 0,
-        result: Ok(LoadMeasurement { steady: Some(90 * MB), peak: None }),
+        result: Ok(LoadMeasurement { steady: Some(90 * MB), peak: None, working: 0 }),
     });
     assert!(matches!(a[..], [Action::StartLoad { model: 1, .. }]), "{a:?}");
     assert_eq!(h.s.slot(0).measured_bytes, Some(90 * MB));

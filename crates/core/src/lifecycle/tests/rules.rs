@@ -415,7 +415,7 @@ fn measured_footprint_replaces_the_estimate_in_accounting() {
     let _ = a;
     h.feed(Event::LoadFinished {
         model: 0,
-        result: Ok(LoadMeasurement { steady: Some(130 * MB), peak: Some(210 * MB) }),
+        result: Ok(LoadMeasurement { steady: Some(130 * MB), peak: Some(210 * MB), working: 0 }),
         took: Duration::from_millis(50),
     });
     assert_eq!(h.s.accounted(&Device::Cpu), 130 * MB);
@@ -434,7 +434,7 @@ fn a_pass_that_leaves_memory_resident_grows_the_footprint_and_the_next_admission
     let _ = a;
     h.feed(Event::LoadFinished {
         model: 0,
-        result: Ok(LoadMeasurement { steady: Some(30 * MB), peak: Some(40 * MB) }),
+        result: Ok(LoadMeasurement { steady: Some(30 * MB), peak: Some(40 * MB), working: 0 }),
         took: Duration::from_millis(5),
     });
     assert_eq!(h.s.accounted(&Device::Cpu), 30 * MB);
@@ -455,7 +455,7 @@ fn a_pass_that_leaves_memory_resident_grows_the_footprint_and_the_next_admission
     let _ = b;
     h.feed(Event::LoadFinished {
         model: 0,
-        result: Ok(LoadMeasurement { steady: Some(30 * MB), peak: None }),
+        result: Ok(LoadMeasurement { steady: Some(30 * MB), peak: None, working: 0 }),
         took: Duration::from_millis(5),
     });
     assert_eq!(h.s.learn_pass(0, 200 * MB), None);

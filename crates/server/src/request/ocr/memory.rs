@@ -1,8 +1,9 @@
 //! Memory by the page: the detector's working set grows with the pixels it is fed
-//! (ONNX Runtime's arena keeps the activations of the largest input it ran: a 736 x 960
-//! page left 160 MiB for 10 MB of weights), so a page's is predicted from its size
-//! before it runs — bytes per pixel, learned from what the detector's runs left
-//! (its measured footprint over its estimate, per pixel of the largest page it read).
+//! (a 736 x 960 page's activations take ~160 MiB for 10 MB of weights, given back when
+//! the run ends or kept in ONNX Runtime's arena, see `release_activations`), so a page's
+//! is predicted from its size before it runs — bytes per pixel, learned from what the
+//! detector's runs took (its measured footprint and working set over its estimate, per
+//! pixel of the largest page it read).
 //! A page whose prediction could never fit the budget — with nothing else loaded but
 //! pinned models — is read at the scale that fits, and the answer says so, instead of
 //! running into an out-of-memory error.
@@ -113,7 +114,8 @@ pub(super) async fn det_job(
     Ok((job, Some(note)))
 }
 
-/// Learns bytes per pixel from what the detector's runs left in its footprint.
+/// Learns bytes per pixel from what the detector's runs left in its footprint and held
+/// at their peak (its working set).
 pub(super) async fn learn(state: &AppState, pipeline: &Pipeline) {
     let det = &pipeline.settings.det;
     let status = state.manager.status().await;
@@ -121,6 +123,7 @@ pub(super) async fn learn(state: &AppState, pipeline: &Pipeline) {
     let (Some(measured), Some(estimated)) = (s.footprint_measured_bytes, s.footprint_estimated_bytes) else {
         return;
     };
+    let measured = measured + s.working_bytes.unwrap_or(0);
     let seen = pipeline.memory.get();
     if measured <= estimated || seen.max_pixels == 0 {
         return;

@@ -23,7 +23,9 @@ use std::{
 
 use futures_util::future::join_all;
 use serde::Serialize;
-use snooze_core::{pressure::PressureLevel, ErrorKind, ModelInfo, Priority, SnoozeError, TaskJob};
+use snooze_core::{
+    execution::WORK, pressure::PressureLevel, ErrorKind, ModelInfo, Priority, SnoozeError, TaskJob,
+};
 use snooze_vision::{
     jobs::{ClsJob, DetectedPage, JobTimes, RecJob},
     CtcDecoder, Document, InputLimits, OcrOptions, Page, PageSelection, VisionError,
@@ -234,6 +236,8 @@ pub async fn read(
     let clock = Instant::now();
     let open_limits = limits.clone();
     let opened = tokio::task::spawn_blocking(move || {
+        // Decoding allocates what no model's run should count as its own.
+        let _work = WORK.begin();
         let limits = open_limits;
         let doc = Document::open(bytes, &limits)?;
         let pages = doc.select(selection.as_ref(), &limits)?;
@@ -249,6 +253,7 @@ pub async fn read(
         let clock = Instant::now();
         let (doc, indexes, limits) = (doc.clone(), batch.to_vec(), limits.clone());
         let images = tokio::task::spawn_blocking(move || {
+            let _work = WORK.begin();
             indexes.iter().map(|&i| doc.render_page(i, &limits)).collect::<Result<Vec<_>, _>>()
         })
         .await
@@ -258,7 +263,9 @@ pub async fn read(
         // The detector: every page of the batch, each at a scale its run can take.
         let mut dets = Vec::with_capacity(images.len());
         for image in &images {
+            let work = WORK.begin();
             let (job, note) = memory::det_job(state, pipeline, &image.image, &options).await?;
+            drop(work);
             if let Some(reason) = note.or(image.note.clone()) {
                 usage.downscaled.push(Downscaled { page: image.index + 1, reason });
             }

@@ -1,0 +1,158 @@
+//! The budget held against what runs take, not only what loads took (issue 21's mix):
+//! a model's *working set* — what a run holds at its peak and gives back (activations,
+//! a transcription's caches) — is reserved while the model has work and released when it
+//! is idle; growth that pushes the accounted memory over the budget evicts idle models.
+
+use super::*;
+
+/// Runs the request `req` of `model` to its end, the run having left `kept` bytes
+/// resident and held `transient` bytes at its peak (what the actor learns first).
+fn finish_measured(h: &mut Harness, req: RequestId, kept: u64, transient: u64) -> Vec<Action> {
+    let (model, _, _) = h.batch_of(req).expect("dispatched");
+    if kept > 0 {
+        h.s.learn_pass(model, kept);
+    }
+    if transient > 0 {
+        h.s.learn_transient(model, transient);
+    }
+    h.finish(req)
+}
+
+#[test]
+fn a_run_that_leaves_the_budget_overdrawn_evicts_idle_models_least_recently_used_first() {
+    let mut h = Harness::new(1000, &[("a", 300), ("b", 300), ("c", 300)]);
+    h.call("a").unwrap();
+    h.at(1.0);
+    h.call("b").unwrap();
+    h.at(2.0);
+    let req = h.use_model("c").unwrap();
+    assert!(h.evictions().is_empty(), "900 of 1000 MB");
+    h.at(3.0);
+    finish_measured(&mut h, req, 200 * MB, 0);
+    assert_eq!(h.evictions(), ["a"], "c's run left 200 MB: 1100 MB accounted, the oldest idle model goes");
+    assert_eq!(h.state("b"), StateName::Ready);
+    assert_eq!(h.s.accounted(&Device::Cpu), 800 * MB);
+}
+
+#[test]
+fn a_model_with_work_reserves_its_working_set_and_gives_it_back_when_idle() {
+    let mut h = Harness::new(1000, &[("small1", 150), ("small2", 150), ("big", 200)]);
+    h.call("small1").unwrap();
+    h.at(1.0);
+    h.call("small2").unwrap();
+    h.at(2.0);
+    let first = h.use_model("big").unwrap();
+    h.at(3.0);
+    finish_measured(&mut h, first, 0, 600 * MB);
+    assert!(h.evictions().is_empty(), "idle, big holds only its footprint: 500 MB");
+    assert_eq!(h.s.slot(h.id("big")).working_bytes, 600 * MB);
+
+    h.at(4.0);
+    let (job, a) = h.submit("big");
+    h.settle(a);
+    assert_eq!(h.outcome(job), Some(Ok(())), "it runs at once");
+    assert_eq!(h.evictions(), ["small1"], "with work it holds 800 MB: the oldest idle model goes");
+    assert_eq!(h.s.accounted(&Device::Cpu), 950 * MB);
+
+    h.at(5.0);
+    h.finish(job);
+    assert_eq!(
+        h.loads().last().map(String::as_str),
+        Some("small1"),
+        "idle again, big gives its working set back, and the model evicted for it returns"
+    );
+    assert_eq!(h.s.accounted(&Device::Cpu), 500 * MB);
+    assert_eq!(h.evictions(), ["small1"]);
+}
+
+#[test]
+fn a_load_for_waiting_requests_makes_room_for_the_working_set() {
+    let mut h = Harness::new(1000, &[("a", 300), ("b", 300), ("w", 200)]);
+    let w = h.id("w");
+    h.s.learn_transient(w, 300 * MB);
+    h.call("a").unwrap();
+    h.at(1.0);
+    h.call("b").unwrap();
+    h.at(2.0);
+    let req = h.use_model("w").unwrap();
+    assert_eq!(
+        h.evictions(),
+        ["a"],
+        "200 MB of weights fit beside a and b, but not the 300 MB its waiting request runs with"
+    );
+    assert!(h.s.accounted(&Device::Cpu) <= 1000 * MB);
+    h.finish(req);
+}
+
+#[test]
+fn a_working_set_larger_than_the_budget_still_runs() {
+    let mut h = Harness::new(500, &[("w", 100), ("x", 100)]);
+    h.call("x").unwrap();
+    let w = h.id("w");
+    h.s.learn_transient(w, 900 * MB);
+    h.at(1.0);
+    let req = h.use_model("w").expect("not refused: the budget cannot give more, the run gets what there is");
+    assert_eq!(h.evictions(), ["x"], "everything idle made room");
+    h.finish(req);
+}
+
+#[test]
+fn a_configured_memory_is_the_model_s_word_no_working_set_is_learned() {
+    let mut h = Harness::with(1000, &[("fixed", 100)], |p| p.memory = Some(100 * MB));
+    let id = h.id("fixed");
+    assert_eq!(h.s.learn_transient(id, 500 * MB), None);
+    assert_eq!(h.s.slot(id).working_bytes, 0);
+}
+
+#[test]
+fn what_runs_left_counts_once_the_most_one_run_left_until_the_next_load() {
+    let mut h = Harness::new(1000, &[("m", 100)]);
+    let footprint = |h: &Harness| h.s.holding(&Device::Cpu)[0].1;
+    for (i, kept) in [60, 40, 80, 80].into_iter().enumerate() {
+        h.at(i as f64);
+        let req = h.use_model("m").unwrap();
+        finish_measured(&mut h, req, kept * MB, 0);
+    }
+    assert_eq!(footprint(&h), 180 * MB, "100 MB loaded + 80 MB, the most one run left (not 360)");
+    h.at(10.0);
+    let m = h.id("m");
+    let a = h.feed(Event::Unload { req: 900, model: m });
+    h.settle(a);
+    assert_eq!(h.state("m"), StateName::Unloaded);
+    h.at(11.0);
+    let (req, _) = h.submit("m");
+    let a = h.feed(Event::LoadFinished {
+        model: m,
+        result: Ok(LoadMeasurement { steady: Some(100 * MB), peak: None, working: 0 }),
+        took: Duration::from_millis(5),
+    });
+    h.settle(a);
+    finish_measured(&mut h, req, 30 * MB, 0);
+    assert_eq!(footprint(&h), 130 * MB, "a fresh load starts from its own measure again");
+}
+
+#[test]
+fn a_working_set_that_cannot_fit_beside_another_in_use_waits_for_it_instead_of_evicting() {
+    // Two long jobs' models, 450 MB of work each, and two idle small models: running
+    // both at once would take every idle model; one after the other takes none.
+    let mut h = Harness::new(1000, &[("long1", 100), ("long2", 100), ("s1", 50), ("s2", 50)]);
+    for (i, name) in ["s1", "s2", "long1", "long2"].into_iter().enumerate() {
+        h.at(i as f64);
+        h.call(name).unwrap();
+    }
+    let (l1, l2) = (h.id("long1"), h.id("long2"));
+    h.s.learn_transient(l1, 450 * MB);
+    h.s.learn_transient(l2, 450 * MB);
+    h.at(5.0);
+    let first = h.use_model("long1").unwrap();
+    h.at(5.1);
+    let (second, a) = h.submit("long2");
+    h.settle(a);
+    assert_eq!(h.outcome(second), None, "750 MB in use: 450 more fit neither free nor by evicting 100 MB");
+    assert!(h.evictions().is_empty(), "{:?}", h.evictions());
+    h.at(6.0);
+    h.finish(first);
+    assert_eq!(h.outcome(second), Some(Ok(())), "its turn once the first one's run ended");
+    assert!(h.evictions().is_empty(), "{:?}", h.evictions());
+    assert!(h.s.accounted(&Device::Cpu) <= 1000 * MB);
+}
