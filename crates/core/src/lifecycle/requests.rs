@@ -57,7 +57,13 @@ impl Scheduler {
                 None => return self.refuse(sub.req, err),
             }
         }
-        self.slots[model].last_request = Some(now);
+        let s = &mut self.slots[model];
+        // Requests a moment apart (a burst, a batch) tell nothing of how often it is asked
+        // for: the gap is measured between requests at least 1 ms apart.
+        if s.last_request.is_none_or(|t| now.saturating_duration_since(t) >= Duration::from_millis(1)) {
+            s.previous_request = s.last_request;
+        }
+        s.last_request = Some(now);
         self.enqueue(
             model,
             priority,

@@ -138,6 +138,8 @@ pub struct ModelSlot {
     pub(super) evicted_at: Option<Instant>,
     /// When a request for it last arrived.
     pub(super) last_request: Option<Instant>,
+    /// When the request before that arrived (how often it is asked for).
+    pub(super) previous_request: Option<Instant>,
     /// Measured on the last load of this process.
     pub measured_bytes: Option<u64>,
     pub measured_peak_bytes: Option<u64>,
@@ -191,6 +193,7 @@ impl ModelSlot {
             evicted_for: 0,
             evicted_at: None,
             last_request: None,
+            previous_request: None,
             measured_bytes: None,
             measured_peak_bytes: None,
             learned_bytes: None,

@@ -156,3 +156,21 @@ fn a_working_set_that_cannot_fit_beside_another_in_use_waits_for_it_instead_of_e
     assert!(h.evictions().is_empty(), "{:?}", h.evictions());
     assert!(h.s.accounted(&Device::Cpu) <= 1000 * MB);
 }
+
+#[test]
+fn a_large_model_asked_for_once_goes_before_a_small_one_asked_for_often() {
+    // Least recently used would evict "hot" (last used at 1.0 s, before "big" at 1.5 s):
+    // but it is asked for twenty times a second and holds 14 MB, "big" was asked for once
+    // and holds 100 MB, and both cost as much to bring back.
+    let mut h = Harness::new(200, &[("hot", 14), ("big", 100), ("x", 100)]);
+    for i in 0..=20 {
+        h.at(f64::from(i) * 0.05);
+        h.call("hot").unwrap();
+    }
+    h.at(1.5);
+    h.call("big").unwrap();
+    h.at(2.0);
+    h.call("x").unwrap();
+    assert_eq!(h.evictions(), ["big"]);
+    assert_eq!(h.state("hot"), StateName::Ready);
+}
