@@ -95,7 +95,8 @@ def config_text(k_big, limit=None):
 # --- the server ----------------------------------------------------------------------------
 
 class Server:
-    """`snooze serve` on a free port over a given state dir; the stderr tail is kept."""
+    """`snooze serve` on a free port over a given state dir; its log goes to `<name>.log` in
+    the work dir (printed at the end), and its tail is kept for errors."""
 
     def __init__(self, workdir, name, config, state_dir, extra_args):
         cfg = os.path.join(workdir, f"{name}.toml")
@@ -109,8 +110,12 @@ class Server:
                                      stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
         self.pid, self.tail, found, addr = self.proc.pid, [], threading.Event(), {}
 
+        self.log_path = os.path.join(workdir, f"{name}.log")
+        log = open(self.log_path, "w")
+
         def pump():
             for line in self.proc.stderr:
+                log.write(line)
                 self.tail.append(line)
                 del self.tail[:-60]
                 m = re.search(r"listening on http://(\S+)", line)

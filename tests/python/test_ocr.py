@@ -90,10 +90,10 @@ class OcrTest(unittest.TestCase):
 
 class WorkingSetTest(unittest.TestCase):
     """A detector pass on a large page holds its activations — far more than the model's
-    10 MB of weights — and hands them back when it ends (`release_activations`, the
-    default): the server learns that working set from the run (nothing else running) and
-    holds it against the budget while the model runs. With `release_activations = false`
-    ONNX Runtime's arena keeps them: the footprint grows by them, and the next load is
+    10 MB of weights. With `release_activations` it hands them back when it ends: the
+    server learns that working set from the run (nothing else running) and holds it
+    against the budget while the model runs. Without (the default under `auto`), ONNX
+    Runtime's arena keeps them: the footprint grows by them, and the next load is
     admitted for it."""
 
     def large_pass(self, server_section):
@@ -125,7 +125,7 @@ class WorkingSetTest(unittest.TestCase):
             return estimate, model, list(s.lines), learned
 
     def test_a_large_pass_is_learned_as_the_detector_s_working_set(self):
-        estimate, model, lines, learned = self.large_pass("")
+        estimate, model, lines, learned = self.large_pass("[server]\nrelease_activations = true\n")
         measured = model["footprint_measured_bytes"]
         # Helper measurements at this shape: ~160 MiB of activations for a 10 MB model.
         self.assertGreater(model["working_bytes"] or 0, 64 << 20, f"working set not learned: {model}")
@@ -134,7 +134,7 @@ class WorkingSetTest(unittest.TestCase):
         self.assertEqual(learned["footprints"]["ocr-det"]["steady_bytes"], measured, learned)
 
     def test_kept_activations_grow_the_learned_footprint(self):
-        estimate, model, lines, learned = self.large_pass("[server]\nrelease_activations = false\n")
+        estimate, model, lines, learned = self.large_pass("")
         measured = model["footprint_measured_bytes"]
         self.assertGreater(measured, 64 << 20, f"the arena's activations not learned: {model}")
         self.assertGreater(measured, 4 * estimate, model)

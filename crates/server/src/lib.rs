@@ -56,7 +56,7 @@ impl Backends {
             let ort = OrtBackend::with_pool(None, pool)
                 .map_err(anyhow::Error::msg)?
                 .with_cache_dir(config.server.state_dir.join("ort-cache"))
-                .with_activations_released(config.server.release_activations);
+                .with_activations_released(releases_activations(config));
             Some(Arc::new(ort) as Arc<dyn Backend>)
         } else {
             None
@@ -107,6 +107,12 @@ fn resolve_weights(
 }
 
 /// The budget a config gives, and what the server holds before any model.
+/// `release_activations`, or by default whether a byte budget was set.
+fn releases_activations(config: &Config) -> bool {
+    let s = &config.server;
+    s.release_activations.unwrap_or(matches!(s.host_memory_limit, MemoryLimit::Size(_)))
+}
+
 fn budget_of(config: &Config, probe: &HostProbe) -> anyhow::Result<(u64, u64)> {
     let snap = probe.snapshot();
     let s = &config.server;
@@ -194,7 +200,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
             tuned,
             "low-RAM mode: one malloc arena, 64 KiB mmap threshold, trim after large requests"
         );
-    } else if config.server.release_activations && !snooze_core::memory::return_large_blocks() {
+    } else if releases_activations(config) && !snooze_core::memory::return_large_blocks() {
         tracing::warn!("the allocator keeps freed blocks: released activations stay resident until a trim");
     }
     // Installed before anything is recorded: the counters start at the first event.

@@ -101,9 +101,10 @@ server_settings! {
     /// (`false`), ONNX Runtime's arena holds the largest run's activations while the model
     /// stays resident: ~190 MiB for an OCR detector of 10 MiB after one 736x960 page,
     /// ~240 MiB for Whisper tiny's encoder after one window. Released, those runs take
-    /// 6-15% longer (no difference on small runs), and the memory is counted only while
-    /// the model has work.
-    release_activations: bool = "true";
+    /// 6-15% longer (no difference on small runs), and the memory is held against the
+    /// budget only while the model runs. Unset: released when `host_memory_limit` is a
+    /// size (memory is what is short), kept under `auto`.
+    release_activations: Option<bool> = "";
     /// Most models resident at once; `0` = no cap.
     max_loaded_models: usize = "0";
     /// `Retry-After` of refusals with no better estimate.
