@@ -94,19 +94,14 @@ impl Scheduler {
         if !others_working {
             return false;
         }
-        let mut free = self.budget(device).saturating_sub(self.accounted(device));
-        for o in &self.slots {
-            match &o.state {
-                SlotState::Unloading { device: d, footprint, .. } if d == device => free += footprint,
-                SlotState::Ready { device: d, footprint, .. }
-                    if d == device && o.idle().is_some() && !o.policy.pinned =>
-                {
-                    free += footprint
-                }
-                _ => {}
-            }
-        }
-        s.working_bytes.saturating_add(self.config.headroom) > free
+        let idle: u64 = self
+            .slots
+            .iter()
+            .filter(|o| o.idle().is_some() && !o.policy.pinned)
+            .filter_map(|o| o.held_on(device))
+            .sum();
+        let staying = self.accounted(device).saturating_sub(self.leaving(device) + idle);
+        s.working_bytes.saturating_add(self.config.headroom) > self.budget(device).saturating_sub(staying)
     }
 
     pub(super) fn on_run_finished(

@@ -47,7 +47,7 @@ impl Scheduler {
                     // A preload: nobody waits for it, and nothing is evicted for it.
                     return;
                 }
-                if let Some(victim) = self.lru_idle(&device, model, now).first().copied() {
+                if let Some(victim) = self.idle_by_worth(&device, model, now).first().copied() {
                     self.slots[model].evicted_for += self.slots[victim].resident_bytes();
                     self.begin_unload(victim, UnloadReason::Evicted);
                 } else {

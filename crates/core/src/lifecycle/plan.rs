@@ -454,7 +454,7 @@ impl Scheduler {
 
     /// Idle, unpinned models on `device` other than `except`, the one worth least first
     /// (see `keep_value`; for holding the budget and the out-of-memory retry of a load).
-    pub(super) fn lru_idle(&self, device: &Device, except: ModelId, now: Instant) -> Vec<ModelId> {
+    pub(super) fn idle_by_worth(&self, device: &Device, except: ModelId, now: Instant) -> Vec<ModelId> {
         let mut v: Vec<(f64, Instant, ModelId)> = self
             .slots
             .iter()

@@ -97,7 +97,7 @@ impl Scheduler {
             let mut victims = Vec::new();
             // No exception: the model's own idle instance may go too (it comes back
             // from the copy).
-            for v in self.lru_idle(&cpu, ModelId::MAX, self.now) {
+            for v in self.idle_by_worth(&cpu, ModelId::MAX, self.now) {
                 if need <= free.saturating_add(freed) {
                     break;
                 }

@@ -193,26 +193,18 @@ impl Scheduler {
 
     /// Keeps what is accounted on each budgeted device within its budget once the memory
     /// picture grew by itself — a run left more resident than its model's footprint
-    /// said, a model with work reserves its working set — by evicting idle models, least
-    /// recently used first. Models already leaving count as gone; models that are
-    /// running, have work, are pinned or are younger than their `min_residency` stay.
+    /// said, a running model holds its working set — by evicting idle models, the one
+    /// worth least first. Models already leaving count as gone; models that are running,
+    /// have work, are pinned or are younger than their `min_residency` stay.
     pub(super) fn hold_budgets(&mut self, now: Instant) {
         let devices: Vec<Device> = self.config.budgets.keys().cloned().collect();
         for device in devices {
-            let leaving: u64 = self
-                .slots
-                .iter()
-                .filter_map(|s| match &s.state {
-                    SlotState::Unloading { device: d, footprint, .. } if *d == device => Some(*footprint),
-                    _ => None,
-                })
-                .sum();
-            let mut staying = self.accounted(&device).saturating_sub(leaving);
+            let mut staying = self.accounted(&device).saturating_sub(self.leaving(&device));
             let budget = self.budget(&device);
             if staying <= budget {
                 continue;
             }
-            for victim in self.lru_idle(&device, ModelId::MAX, now) {
+            for victim in self.idle_by_worth(&device, ModelId::MAX, now) {
                 if staying <= budget {
                     break;
                 }
@@ -227,6 +219,17 @@ impl Scheduler {
                 staying = staying.saturating_sub(bytes);
             }
         }
+    }
+
+    /// Bytes of models unloading from `device`: accounted until they are gone, but going.
+    pub(super) fn leaving(&self, device: &Device) -> u64 {
+        self.slots
+            .iter()
+            .filter_map(|s| match &s.state {
+                SlotState::Unloading { device: d, footprint, .. } if d == device => Some(*footprint),
+                _ => None,
+            })
+            .sum()
     }
 
     /// Moves a Ready model with nothing running to Unloading.

@@ -271,14 +271,14 @@ impl Actor {
     }
 
     /// A run held `transient` bytes at its peak and gave them back: the model's working
-    /// set, reserved while it has work from now on (see `Scheduler::learn_transient`).
+    /// set, held against the budget while it runs from now on (see `Scheduler::learn_transient`).
     fn learn_transient(&mut self, model: ModelId, transient: u64) {
         let Some(working) = self.scheduler.learn_transient(model, transient) else { return };
         tracing::info!(
             model = %self.scheduler.slot(model).policy.name,
             transient_bytes = transient,
             working_bytes = working,
-            "a run held {} at its peak: {} reserved while the model has work",
+            "a run held {} at its peak: {} held against the budget while the model runs",
             format_bytes(transient),
             format_bytes(working)
         );
