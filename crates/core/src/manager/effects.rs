@@ -71,7 +71,7 @@ impl Actor {
         tokio::task::spawn_blocking(move || {
             // Work like a run's: memory given back meanwhile (the model's, and what the
             // heap trim returns) is not a run's to count.
-            let _work = execution::WORK.begin();
+            let work = execution::WORK.begin();
             let started = Instant::now();
             let before = memory::process_rss_bytes();
             let gpu_before = gpu.as_ref().map(|p| p.snapshot().process_bytes);
@@ -108,6 +108,9 @@ impl Actor {
                 format_bytes(bytes),
                 format_bytes(freed)
             );
+            // Ended before the actor hears of it: the load it starts next must find the
+            // meter idle, or it would never be measured.
+            drop(work);
             let _ = tx.send(Command::UnloadDone { model });
         });
     }
@@ -161,6 +164,8 @@ impl Actor {
                 (Loaded { instance: m, grew: grew(after) }, measured)
             });
             let took = started.elapsed();
+            // Ended before the actor hears of it, for the run it dispatches next.
+            drop(work);
             let _ = tx.send(if promote {
                 Command::PromoteDone { model, result }
             } else {
