@@ -186,7 +186,7 @@ fn stat_field(text: &str, key: &str) -> Option<u64> {
 }
 
 /// `/proc/self/statm`'s resident and shared sizes, in bytes.
-fn statm_resident_shared() -> (u64, u64) {
+pub(crate) fn statm_resident_shared() -> (u64, u64) {
     let statm = fs::read_to_string("/proc/self/statm").unwrap_or_default();
     let mut fields = statm.split_whitespace().skip(1).map(|p| p.parse::<u64>().unwrap_or(0));
     let (resident, shared) = (fields.next().unwrap_or(0), fields.next().unwrap_or(0));

@@ -10,7 +10,7 @@
 //! What a run held at its peak and gave back before it ended (the activations ONNX
 //! Runtime releases when a run ends, see `release_activations`) is read from the
 //! process's peak RSS, reset when the run starts: it is the run's *transient*, which
-//! the scheduler reserves while the model has work.
+//! the scheduler reserves while the model runs.
 //!
 //! Private, not all of RSS: a `mapped` model's first run faults in its weights' file
 //! pages, which its load already accounted as the whole file; counting them again
@@ -107,12 +107,16 @@ impl Work<'_> {
     /// [`Work::grew`], and what the work held at its peak beyond what is resident now:
     /// the process's peak RSS since `begin` less its RSS now, if nothing else ran.
     pub fn measure(&self, held: u64) -> Growth {
-        let kept = self.grew(held);
-        let transient = (self.peak_reset && kept.is_some())
+        let Some(before) = self.before.filter(|_| self.still_alone()) else { return Growth::default() };
+        // One reading of statm for both figures: this runs after every run that ran alone.
+        let (resident, shared) = crate::memory::statm_resident_shared();
+        let kept = Some(resident.saturating_sub(shared).saturating_sub(before).saturating_sub(held));
+        let transient = self
+            .peak_reset
             .then(crate::memory::peak_rss_bytes)
             .flatten()
             .filter(|_| self.still_alone())
-            .map(|peak| peak.saturating_sub(crate::memory::process_rss_bytes()));
+            .map(|peak| peak.saturating_sub(resident));
         Growth { kept, transient }
     }
 

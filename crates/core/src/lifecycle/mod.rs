@@ -191,7 +191,7 @@ pub struct LoadMeasurement {
     /// The most the load held at once.
     pub peak: Option<u64>,
     /// What the backend says a run may hold beyond the loaded footprint (see
-    /// `LoadedModel::working_bytes`): the model's reservation while it has work until a
+    /// `LoadedModel::working_bytes`): the model's reservation while it runs until a
     /// run measures it.
     pub working: u64,
 }

@@ -380,7 +380,7 @@ pub struct ModelStatus {
     pub footprint_peak_estimated_bytes: Option<u64>,
     pub footprint_measured_bytes: Option<u64>,
     pub footprint_peak_measured_bytes: Option<u64>,
-    /// Held beside the footprint while it has work (see `ModelSlot::working_bytes`).
+    /// Held beside the footprint while it runs (see `ModelSlot::working_bytes`).
     pub working_bytes: Option<u64>,
     /// Batches running now.
     pub leases: u32,

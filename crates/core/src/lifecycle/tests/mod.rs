@@ -161,6 +161,15 @@ impl Harness {
         self.settle(a)
     }
 
+    /// Runs one request to each of `names` to completion, the first now and each next one
+    /// a second after the one before (t = 0, 1, 2 ... s).
+    pub fn call_a_second_apart(&mut self, names: &[&str]) {
+        for (i, name) in names.iter().enumerate() {
+            self.at(i as f64);
+            self.call(name).unwrap();
+        }
+    }
+
     /// Runs a request to completion.
     pub fn call(&mut self, name: &str) -> Result<(), SnoozeError> {
         let req = self.use_model(name)?;

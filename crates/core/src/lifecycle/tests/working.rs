@@ -21,9 +21,7 @@ fn finish_measured(h: &mut Harness, req: RequestId, kept: u64, transient: u64) -
 #[test]
 fn a_run_that_leaves_the_budget_overdrawn_evicts_idle_models_least_recently_used_first() {
     let mut h = Harness::new(1000, &[("a", 300), ("b", 300), ("c", 300)]);
-    h.call("a").unwrap();
-    h.at(1.0);
-    h.call("b").unwrap();
+    h.call_a_second_apart(&["a", "b"]);
     h.at(2.0);
     let req = h.use_model("c").unwrap();
     assert!(h.evictions().is_empty(), "900 of 1000 MB");
@@ -37,9 +35,7 @@ fn a_run_that_leaves_the_budget_overdrawn_evicts_idle_models_least_recently_used
 #[test]
 fn a_model_with_work_reserves_its_working_set_and_gives_it_back_when_idle() {
     let mut h = Harness::new(1000, &[("small1", 150), ("small2", 150), ("big", 200)]);
-    h.call("small1").unwrap();
-    h.at(1.0);
-    h.call("small2").unwrap();
+    h.call_a_second_apart(&["small1", "small2"]);
     h.at(2.0);
     let first = h.use_model("big").unwrap();
     h.at(3.0);
@@ -70,9 +66,7 @@ fn a_load_for_waiting_requests_makes_room_for_the_working_set() {
     let mut h = Harness::new(1000, &[("a", 300), ("b", 300), ("w", 200)]);
     let w = h.id("w");
     h.s.learn_transient(w, 300 * MB);
-    h.call("a").unwrap();
-    h.at(1.0);
-    h.call("b").unwrap();
+    h.call_a_second_apart(&["a", "b"]);
     h.at(2.0);
     let req = h.use_model("w").unwrap();
     assert_eq!(
@@ -136,10 +130,7 @@ fn a_working_set_that_cannot_fit_beside_another_in_use_waits_for_it_instead_of_e
     // Two long jobs' models, 450 MB of work each, and two idle small models: running
     // both at once would take every idle model; one after the other takes none.
     let mut h = Harness::new(1000, &[("long1", 100), ("long2", 100), ("s1", 50), ("s2", 50)]);
-    for (i, name) in ["s1", "s2", "long1", "long2"].into_iter().enumerate() {
-        h.at(i as f64);
-        h.call(name).unwrap();
-    }
+    h.call_a_second_apart(&["s1", "s2", "long1", "long2"]);
     let (l1, l2) = (h.id("long1"), h.id("long2"));
     h.s.learn_transient(l1, 450 * MB);
     h.s.learn_transient(l2, 450 * MB);
