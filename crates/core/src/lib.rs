@@ -22,7 +22,7 @@ pub use backend::{
 };
 pub use error::{ErrorKind, SnoozeError};
 pub use memory::{HostProbe, MemoryProbe, MemorySnapshot};
-pub use task::{Progress, SliceRunner, TaskJob};
+pub use task::{Progress, SliceRunner, TaskJob, WorkSize};
 pub use tensor::{DataType, ModelSignature, Tensor, TensorData, TensorSpec};
 pub mod learned;
 pub mod lifecycle;

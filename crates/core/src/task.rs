@@ -25,6 +25,19 @@ pub enum Progress {
     Done,
 }
 
+/// The size of a slice, as far as memory goes: what a run holds at its peak (its
+/// working set) is about proportional to `units` within a `class` — pixels of a page
+/// for a detector; a window for an encoder pass (class 1) and a live hypothesis for a
+/// decoder step (class 0) of one Whisper model. The core learns the bytes per unit of
+/// each class from measured runs and holds that for a run of such slices, instead of
+/// the largest run the model ever made (a decoder step holds a sliver of what an
+/// encoder pass does; a small page a fraction of an A4 one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkSize {
+    pub class: u8,
+    pub units: u64,
+}
+
 /// Advances every job of a batch by one slice on `model`, in place, and returns one
 /// result per job, in order. A job whose slice failed is left as it was before it, so
 /// the slice can be run again (after an out-of-memory eviction, say).
@@ -37,6 +50,13 @@ pub trait TaskJob: Any + Send {
     /// Rows the job adds to a slice, counted against the model's `max_batch_size`.
     fn rows(&self) -> u32 {
         1
+    }
+    /// What the memory its next slice holds at its peak grows with (see [`WorkSize`]):
+    /// by default its rows. Work that says its size is a slice of long work to the
+    /// scheduler (see `max_concurrent_slices`); a request that is not a task job says
+    /// nothing, and the model's largest working set is held for it.
+    fn work_size(&self) -> Option<WorkSize> {
+        Some(WorkSize { class: 0, units: u64::from(self.rows()) })
     }
     /// Bytes of request data the job holds (charged to request memory).
     fn byte_size(&self) -> usize;

@@ -275,6 +275,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
         queue_timeout: s.queue_timeout,
         max_swap_delay: s.max_swap_delay,
         max_concurrent_inferences: s.max_concurrent_inferences,
+        max_concurrent_slices: s.max_concurrent_slices,
     };
     tracing::info!(
         budget_bytes = budget,

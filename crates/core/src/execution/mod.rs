@@ -26,7 +26,7 @@ use crate::{
     backend::{EmbedInput, Embeddings, InferError, LoadedModel},
     error::{ErrorKind, SnoozeError},
     lifecycle::RequestId,
-    task::TaskJob,
+    task::{TaskJob, WorkSize},
     tensor::Tensor,
 };
 
@@ -95,6 +95,14 @@ impl Payload {
                 (u32::try_from(rows).unwrap_or(u32::MAX), batchable.then(|| h.finish()))
             }
             Payload::Task(job) => (job.rows(), Some(job.batch_key())),
+        }
+    }
+
+    /// What its run's memory grows with, when it says (a task job's next slice).
+    pub fn work_size(&self) -> Option<WorkSize> {
+        match self {
+            Payload::Task(job) => job.work_size(),
+            Payload::Embed(_) | Payload::Tensors { .. } => None,
         }
     }
 

@@ -49,6 +49,13 @@ impl Scheduler {
             {
                 return;
             }
+            // Slices of long work take turns: each already draws on every core of the
+            // shared intra-op pool, and side by side they only slow each other and the
+            // short requests between them.
+            let slices = self.config.max_concurrent_slices;
+            if head.size.is_some() && slices != 0 && self.slices.len() >= slices as usize {
+                return;
+            }
             if self.waits_for_memory(model) {
                 return;
             }
@@ -67,6 +74,11 @@ impl Scheduler {
             if batch.iter().map(|(_, q)| q.rows).sum::<u32>() > 1 {
                 s.batched_runs = s.batched_runs.saturating_add(1);
             }
+            let reserve = s.reservation(batch.iter().map(|(_, q)| q.size));
+            s.reserved.push((batch[0].1.req, reserve));
+            if batch[0].1.size.is_some() {
+                self.slices.push((model, batch[0].1.req));
+            }
             s.running += 1;
             s.owed = s.owed.saturating_sub(batch.len());
             self.running += 1;
@@ -76,32 +88,6 @@ impl Scheduler {
             }
             self.push(Action::Dispatch { model, reqs, max_rows });
         }
-    }
-
-    /// A run whose working set fits neither in what is free nor in what evicting the
-    /// idle models would free waits while another model's working set is in use: the
-    /// two run one after the other (as they would share the cores anyway) rather than
-    /// side by side at the cost of every idle model. With no other working set in use
-    /// it runs; `hold_budgets` then evicts what idle models it must.
-    fn waits_for_memory(&self, model: ModelId) -> bool {
-        let s = &self.slots[model];
-        let Some(device) = s.device() else { return false };
-        if s.running > 0 || s.working_bytes == 0 {
-            return false;
-        }
-        let others_working =
-            self.slots.iter().any(|o| o.working_reserved() > 0 && o.device() == Some(device));
-        if !others_working {
-            return false;
-        }
-        let idle: u64 = self
-            .slots
-            .iter()
-            .filter(|o| o.idle().is_some() && !o.policy.pinned)
-            .filter_map(|o| o.held_on(device))
-            .sum();
-        let staying = self.accounted(device).saturating_sub(self.leaving(device) + idle);
-        s.working_bytes.saturating_add(self.config.headroom) > self.budget(device).saturating_sub(staying)
     }
 
     pub(super) fn on_run_finished(
@@ -116,6 +102,11 @@ impl Scheduler {
         let s = &mut self.slots[model];
         s.running = s.running.saturating_sub(1);
         self.running = self.running.saturating_sub(1);
+        s.release_reservation(&reqs);
+        let ended = |(m, first): &(ModelId, RequestId)| *m == model && reqs.contains(first);
+        if let Some(i) = self.slices.iter().position(ended) {
+            self.slices.swap_remove(i);
+        }
         // Rule 2: idle time counts from when the work completed.
         if let SlotState::Ready { last_used, .. } = &mut s.state {
             *last_used = now;
@@ -130,7 +121,14 @@ impl Scheduler {
         // jobs resumed together share the next slice.
         for r in continuing {
             if let Some((_, priority, _)) = self.in_flight.remove(&r.req) {
-                let q = Queued { req: r.req, rows: r.rows, key: r.key, since: now, retry: Retry::First };
+                let q = Queued {
+                    req: r.req,
+                    rows: r.rows,
+                    key: r.key,
+                    size: r.size,
+                    since: now,
+                    retry: Retry::First,
+                };
                 self.slots[model].queue.push(priority, q);
             }
         }

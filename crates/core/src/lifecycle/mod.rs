@@ -29,6 +29,7 @@ mod slot;
 #[cfg(test)]
 mod tests;
 mod unloads;
+mod working;
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -43,6 +44,7 @@ use crate::{
     backend::{Device, LoadError, Weights},
     error::{ErrorKind, SnoozeError},
     pressure::PressureLevel,
+    task::WorkSize,
     units::KeepAlive,
 };
 
@@ -74,6 +76,9 @@ pub struct SchedulerConfig {
     pub max_swap_delay: Duration,
     /// Batches running at once across all models; 0 = no cap.
     pub max_concurrent_inferences: u32,
+    /// Slices of long work (task jobs: transcriptions, OCR stages) running at once
+    /// across all models; 0 = no cap. Requests that are not task jobs are not counted.
+    pub max_concurrent_slices: u32,
 }
 
 impl Default for SchedulerConfig {
@@ -89,6 +94,7 @@ impl Default for SchedulerConfig {
             queue_timeout: Duration::from_secs(30),
             max_swap_delay: Duration::from_millis(200),
             max_concurrent_inferences: 0,
+            max_concurrent_slices: 0,
         }
     }
 }
@@ -121,6 +127,8 @@ pub struct Submit {
     pub rows: u32,
     /// Requests with the same key may run as one batch; `None` runs alone.
     pub key: Option<u64>,
+    /// What its run's memory grows with, when it says (see [`WorkSize`]).
+    pub size: Option<WorkSize>,
 }
 
 /// A task job that ran a slice and queues again for the next: its rows and batch key
@@ -130,6 +138,7 @@ pub struct Resume {
     pub req: RequestId,
     pub rows: u32,
     pub key: Option<u64>,
+    pub size: Option<WorkSize>,
 }
 
 /// How a dispatched batch ended, as far as the scheduler cares (the shell answered
@@ -238,6 +247,8 @@ pub struct Scheduler {
     /// Dispatched requests: what they were, in case an out-of-memory retry requeues them.
     in_flight: HashMap<RequestId, (ModelId, Priority, Queued)>,
     running: u32,
+    /// The runs of slices in flight, by model and the batch's first request.
+    slices: Vec<(ModelId, RequestId)>,
     /// The preparation in progress and the bytes it holds at its peak.
     preparing: Option<(ModelId, u64)>,
     collections: Vec<Collection>,
@@ -258,6 +269,7 @@ impl Scheduler {
             available: BTreeMap::new(),
             unreadable: Vec::new(),
             in_flight: HashMap::new(),
+            slices: Vec::new(),
             running: 0,
             preparing: None,
             collections: Vec::new(),
@@ -316,21 +328,6 @@ impl Scheduler {
         // a reload starts from that (its own runs add theirs again).
         s.learned_bytes = Some(*footprint);
         Some(*footprint)
-    }
-
-    /// A run of `model` held `transient` bytes at its peak and gave them back: its
-    /// working set, held against the budget while it runs, is the largest such run —
-    /// the first one measured replaces what the backend declared (unless the config
-    /// fixed its memory). Returns the working set when it changed.
-    pub fn learn_transient(&mut self, model: ModelId, transient: u64) -> Option<u64> {
-        let s = &mut self.slots[model];
-        if s.policy.memory.is_some() || (s.working_measured && transient <= s.working_bytes) {
-            return None;
-        }
-        let before = s.working_bytes;
-        s.working_bytes = if s.working_measured { before.max(transient) } else { transient };
-        s.working_measured = true;
-        (s.working_bytes != before).then_some(s.working_bytes)
     }
 
     /// Memory given back on purpose (an unload or gc asked for, an emergency) stays

@@ -5,7 +5,7 @@
 
 use std::{collections::VecDeque, time::Instant};
 
-use super::RequestId;
+use super::{RequestId, WorkSize};
 
 /// How urgent a request is: higher runs first within a model, and a load for a
 /// high-priority request is planned before one for a lower one.
@@ -59,6 +59,8 @@ pub struct Queued {
     pub rows: u32,
     /// Requests with the same key may run as one batch; `None` runs alone.
     pub key: Option<u64>,
+    /// What its run's memory grows with, when it says.
+    pub size: Option<WorkSize>,
     pub since: Instant,
     pub retry: Retry,
 }
@@ -195,7 +197,7 @@ mod tests {
     use super::*;
 
     fn q(req: RequestId, rows: u32, key: Option<u64>, t: Instant) -> Queued {
-        Queued { req, rows, key, since: t, retry: Retry::First }
+        Queued { req, rows, key, size: None, since: t, retry: Retry::First }
     }
 
     #[test]

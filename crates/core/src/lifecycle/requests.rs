@@ -67,7 +67,14 @@ impl Scheduler {
         self.enqueue(
             model,
             priority,
-            Queued { req: sub.req, rows: sub.rows, key: sub.key, since: now, retry: Retry::First },
+            Queued {
+                req: sub.req,
+                rows: sub.rows,
+                key: sub.key,
+                size: sub.size,
+                since: now,
+                retry: Retry::First,
+            },
         );
     }
 

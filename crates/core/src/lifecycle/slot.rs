@@ -152,6 +152,11 @@ pub struct ModelSlot {
     pub working_bytes: u64,
     /// `working_bytes` was measured (not the backend's word).
     pub(super) working_measured: bool,
+    /// Bytes a run held at its peak per unit of its work's size, by the size's class:
+    /// the most a measured run held (see `working.rs`).
+    pub(super) working_rates: Vec<(u8, f64)>,
+    /// What each run in flight holds against the budget, by its batch's first request.
+    pub(super) reserved: Vec<(super::RequestId, u64)>,
     /// The most a run left resident since the last load (already in its footprint).
     pub(super) kept_bytes: u64,
     pub loads: u64,
@@ -200,6 +205,8 @@ impl ModelSlot {
             learned_peak_bytes: None,
             working_bytes: 0,
             working_measured: false,
+            working_rates: Vec::new(),
+            reserved: Vec::new(),
             kept_bytes: 0,
             loads: 0,
             evictions: 0,
@@ -280,14 +287,10 @@ impl ModelSlot {
         }
     }
 
-    /// Its working set while it runs, else nothing: between runs a model holds only its
+    /// The working sets of its runs in flight: between runs a model holds only its
     /// footprint.
     pub(super) fn working_reserved(&self) -> u64 {
-        if self.running > 0 {
-            self.working_bytes
-        } else {
-            0
-        }
+        self.reserved.iter().map(|(_, bytes)| bytes).sum()
     }
 
     /// Loading or unloading on `device`: the device is not quiet.

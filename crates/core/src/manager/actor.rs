@@ -159,7 +159,7 @@ impl Actor {
                 continue;
             }
             let (rows, key) = job.payload.rows_and_key(true);
-            kept.push(Resume { req, rows, key });
+            kept.push(Resume { req, rows, key, size: job.payload.work_size() });
             self.jobs.insert(req, job);
         }
         kept
@@ -201,6 +201,9 @@ impl Actor {
             Command::RunDone { model, reqs, end, took, grew } => {
                 if let Some(kept) = grew.kept.filter(|g| *g >= PASS_GROWTH_FLOOR) {
                     self.learn_pass(model, kept);
+                }
+                if let Some(transient) = grew.transient {
+                    self.learn_sized(model, transient, &reqs);
                 }
                 if let Some(transient) = grew.transient.filter(|g| *g >= PASS_GROWTH_FLOOR) {
                     self.learn_transient(model, transient);
@@ -281,6 +284,19 @@ impl Actor {
             "a run held {} at its peak: {} held against the budget while the model runs",
             format_bytes(transient),
             format_bytes(working)
+        );
+    }
+
+    /// A run of work that said its size held `transient` bytes at its peak: what its
+    /// class holds per unit (see `Scheduler::learn_sized`).
+    fn learn_sized(&mut self, model: ModelId, transient: u64, reqs: &[RequestId]) {
+        let Some((class, rate)) = self.scheduler.learn_sized(model, transient, reqs) else { return };
+        tracing::debug!(
+            model = %self.scheduler.slot(model).policy.name,
+            class,
+            bytes_per_unit = rate,
+            "a run held {} at its peak: its kind of work now holds {rate:.1} bytes a unit while it runs",
+            format_bytes(transient)
         );
     }
 

@@ -401,10 +401,11 @@ impl ModelManager {
     ) -> Result<Output, SnoozeError> {
         let model = self.id(name)?;
         let (rows, key) = payload.rows_and_key(self.infos[model].batchable);
+        let size = payload.work_size();
         let req = self.next_request_id();
         let (reply, rx) = oneshot::channel();
         self.send(Command::Submit {
-            sub: Submit { req, model, priority, rows, key },
+            sub: Submit { req, model, priority, rows, key, size },
             job: Job { payload, reply, submitted: Instant::now(), model },
         });
         let mut guard = CancelOnDrop { manager: self, req, armed: true };

@@ -92,6 +92,14 @@ server_settings! {
     /// with `1` (Zipf benchmark, 2 cores: 269 -> 401 req/s all resident), while a cap makes
     /// short requests wait for whole slices of long jobs (OCR, speech) in a mix.
     max_concurrent_inferences: u32 = "0";
+    /// Slices of long work (transcription steps, OCR stages: task jobs) running at once
+    /// across all models; `0` = no cap. Each slice already draws on the whole intra-op pool
+    /// (`intra_op_threads`, by default every core), so side by side they only slow each
+    /// other; requests that are not task jobs (embeddings, KServe) are not counted and run
+    /// beside a slice. `1` on the mix benchmark at half memory (2 cores, half rates):
+    /// short requests' p99 about halved (`mlp-10m` 2.6-3.1 s -> 1.2 s), transcriptions'
+    /// doubled (a decoder step then waits for a whole OCR page): not the default.
+    max_concurrent_slices: u32 = "0";
     /// Let ONNX Runtime's one shared thread pool spin while it waits for work. Measured
     /// with the Zipf benchmark's hot-model rows on 2 cores, two runs each: 658 vs 691
     /// req/s batched and 168 vs 175 unbatched (on vs off): no faster, and spinning takes

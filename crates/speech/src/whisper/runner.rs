@@ -97,7 +97,7 @@ pub fn run_slice(
     results
 }
 
-fn is_starting(job: &Transcription) -> bool {
+pub(super) fn is_starting(job: &Transcription) -> bool {
     job.window
         .as_ref()
         .is_some_and(|w| w.stage != Stage::Decode || w.hypotheses.iter().any(|h| h.pending.len() > 1))

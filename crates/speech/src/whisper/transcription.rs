@@ -9,7 +9,7 @@
 //! handles to its rows in the model's cache (see `kv_cache`), so a dropped job frees
 //! them and a reloaded model makes the job recompute them.
 
-use snooze_core::{InferError, SliceRunner, TaskJob};
+use snooze_core::{InferError, SliceRunner, TaskJob, WorkSize};
 
 use super::{
     attempt::{Hypothesis, Outcome, Thresholds},
@@ -307,6 +307,17 @@ impl TaskJob for Transcription {
 
     fn rows(&self) -> u32 {
         u32::try_from(self.live()).unwrap_or(u32::MAX)
+    }
+
+    /// A slice that starts a window runs the encoder over it (class 1: its attention
+    /// holds tens of MiB); a decoder step holds little per live hypothesis (class 0).
+    fn work_size(&self) -> Option<WorkSize> {
+        let starting = self.window.is_none() || super::runner::is_starting(self);
+        Some(if starting {
+            WorkSize { class: 1, units: 1 }
+        } else {
+            WorkSize { class: 0, units: self.live() as u64 }
+        })
     }
 
     fn byte_size(&self) -> usize {

@@ -12,7 +12,7 @@
 
 use std::time::Instant;
 
-use snooze_core::{InferError, LoadedModel, Progress, SliceRunner, TaskJob, Tensor, TensorData};
+use snooze_core::{InferError, LoadedModel, Progress, SliceRunner, TaskJob, Tensor, TensorData, WorkSize};
 
 use super::{answer, batch_key, downcast_jobs, group_by, run_model, unreadable, JobTimes, RunCost};
 use crate::{
@@ -131,6 +131,11 @@ impl TaskJob for DetJob {
     /// Pages share a detector run when their inputs have the same size.
     fn batch_key(&self) -> u64 {
         batch_key(("ocr-det", self.input_size()))
+    }
+
+    /// The detector's activations grow with the pixels of its input.
+    fn work_size(&self) -> Option<WorkSize> {
+        self.input_size().map(|(w, h)| WorkSize { class: 0, units: (w * h) as u64 })
     }
 
     fn byte_size(&self) -> usize {

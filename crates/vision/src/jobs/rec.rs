@@ -10,7 +10,7 @@
 
 use std::{sync::Arc, time::Instant};
 
-use snooze_core::{InferError, LoadedModel, Progress, SliceRunner, TaskJob};
+use snooze_core::{InferError, LoadedModel, Progress, SliceRunner, TaskJob, WorkSize};
 
 use super::{
     answer, batch_key, crops::CropBatches, downcast_jobs, group_by, rows_u32, run_model, unreadable,
@@ -100,6 +100,12 @@ impl TaskJob for RecJob {
     /// The crops the next slice adds to the run.
     fn rows(&self) -> u32 {
         rows_u32(self.crops.next_batch().len())
+    }
+
+    /// The recogniser's activations grow with its input: rows x padded width.
+    fn work_size(&self) -> Option<WorkSize> {
+        let units = self.crops.next_batch().len() * self.next_width();
+        Some(WorkSize { class: 0, units: units as u64 })
     }
 
     fn byte_size(&self) -> usize {

@@ -21,7 +21,7 @@ fn slice_ends(h: &mut Harness, req: RequestId) -> Vec<Action> {
         reqs: vec![],
         outcome: RunOutcome::Done,
         took: Duration::from_millis(200),
-        continuing: reqs.iter().map(|&req| Resume { req, rows: 1, key: Some(2) }).collect(),
+        continuing: reqs.iter().map(|&req| Resume { req, rows: 1, key: Some(2), size: None }).collect(),
     });
     h.settle(a)
 }
@@ -103,4 +103,58 @@ fn a_slice_does_not_jump_ahead_of_requests_of_its_own_model() {
     slice_ends(&mut h, first);
     let (_, reqs, _) = h.batch_of(second).expect("the second job got the slot");
     assert_eq!(reqs, [second, first], "both in one batch, the waiting one first");
+}
+
+/// Submits a slice of long work (a task job, which says its size) to `name`.
+fn submit_slice(h: &mut Harness, name: &str) -> (RequestId, Vec<Action>) {
+    let req = h.next_req;
+    h.next_req += 1;
+    let model = h.id(name);
+    let size = Some(WorkSize { class: 0, units: 1 });
+    let a = h.feed(Event::Submit(Submit { req, model, priority: None, rows: 1, key: Some(3), size }));
+    (req, h.settle(a))
+}
+
+/// The slice of `req` ends and its job goes on to the next.
+fn long_slice_ends(h: &mut Harness, req: RequestId) -> Vec<Action> {
+    let (model, reqs, _) = h.batch_of(req).expect("dispatched");
+    let size = Some(WorkSize { class: 0, units: 1 });
+    let a = h.feed(Event::RunFinished {
+        model,
+        reqs: reqs.clone(),
+        outcome: RunOutcome::Done,
+        took: Duration::from_millis(200),
+        continuing: reqs.iter().map(|&req| Resume { req, rows: 1, key: Some(3), size }).collect(),
+    });
+    h.settle(a)
+}
+
+#[test]
+fn slices_of_long_work_take_turns_while_short_requests_run_beside_them() {
+    let mut h = Harness::new(1000, &[("speech", 100), ("ocr", 100), ("short", 10)]);
+    h.s.config.max_concurrent_slices = 1;
+    h.call_a_second_apart(&["speech", "ocr", "short"]);
+    h.at(3.0);
+    let (speech, a) = submit_slice(&mut h, "speech");
+    assert_eq!(dispatched(&h, &a), ["speech"]);
+    h.at(3.01);
+    let (ocr, a) = submit_slice(&mut h, "ocr");
+    assert!(dispatched(&h, &a).is_empty(), "one slice of long work at a time");
+    let (quick, a) = h.submit("short");
+    assert_eq!(dispatched(&h, &a), ["short"], "a request that is no slice runs beside it");
+    h.finish(quick);
+    h.at(3.2);
+    let a = long_slice_ends(&mut h, speech);
+    assert_eq!(dispatched(&h, &a), ["ocr"], "the slice that waited longest goes next");
+    h.at(3.4);
+    let a = long_slice_ends(&mut h, ocr);
+    assert_eq!(dispatched(&h, &a), ["speech"], "then the transcription's next slice: turns, no starving");
+
+    // Without the cap both run at once.
+    let mut h = Harness::new(1000, &[("speech", 100), ("ocr", 100)]);
+    h.call_a_second_apart(&["speech", "ocr"]);
+    h.at(2.0);
+    let (_, a) = submit_slice(&mut h, "speech");
+    let (_, b) = submit_slice(&mut h, "ocr");
+    assert_eq!([dispatched(&h, &a), dispatched(&h, &b)].concat(), ["speech", "ocr"]);
 }

@@ -88,7 +88,7 @@ impl Harness {
         let req = self.next_req;
         self.next_req += 1;
         let model = self.id(name);
-        (req, self.feed(Event::Submit(Submit { req, model, priority, rows, key })))
+        (req, self.feed(Event::Submit(Submit { req, model, priority, rows, key, size: None })))
     }
 
     /// Completes every load / unload in `actions` (and what follows), successfully.

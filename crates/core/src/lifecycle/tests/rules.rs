@@ -237,7 +237,7 @@ fn rule5_falls_back_to_the_next_device() {
     let id = s.register(p);
     let a = s.handle(
         Instant::now(),
-        Event::Submit(Submit { req: 1, model: id, priority: None, rows: 1, key: None }),
+        Event::Submit(Submit { req: 1, model: id, priority: None, rows: 1, key: None, size: None }),
     );
     assert_eq!(a, [Action::StartLoad { model: id, device: Device::Cpu }], "too big for cuda:0, fits the CPU");
 }

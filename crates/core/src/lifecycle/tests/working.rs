@@ -165,3 +165,124 @@ fn a_large_model_asked_for_once_goes_before_a_small_one_asked_for_often() {
     assert_eq!(h.evictions(), ["big"]);
     assert_eq!(h.state("hot"), StateName::Ready);
 }
+
+/// Submits one request of `name` whose work says its size, and lets loads run.
+fn submit_sized(h: &mut Harness, name: &str, class: u8, units: u64) -> RequestId {
+    let req = h.next_req;
+    h.next_req += 1;
+    let model = h.id(name);
+    let size = Some(WorkSize { class, units });
+    let a = h.feed(Event::Submit(Submit { req, model, priority: None, rows: 1, key: Some(7), size }));
+    h.settle(a);
+    req
+}
+
+#[test]
+fn a_run_holds_what_its_kind_of_work_measured_per_unit_not_the_model_s_largest_run() {
+    // A transcription: one encoder pass (class 1) holds 600 MB, a decoder step (class 0)
+    // 4 MB per live hypothesis. Holding 600 MB for each of its hundred steps would evict
+    // "small" for the whole transcription.
+    let mut h = Harness::new(1000, &[("w", 300), ("small", 200)]);
+    let w = h.id("w");
+    h.call("small").unwrap();
+    h.at(1.0);
+    let encode = submit_sized(&mut h, "w", 1, 1);
+    assert_eq!(h.outcome(encode), Some(Ok(())));
+    assert_eq!(h.s.learn_sized(w, 600 * MB, &[encode]), Some((1, (600 * MB) as f64)));
+    h.s.learn_transient(w, 600 * MB);
+    h.finish(encode);
+
+    h.at(2.0);
+    let step = submit_sized(&mut h, "w", 0, 2);
+    assert_eq!(h.outcome(step), Some(Ok(())));
+    assert_eq!(h.s.slot(w).working_reserved(), 600 * MB, "a kind never measured holds the largest run");
+    assert_eq!(h.evictions(), ["small"], "300 + 200 + 600 MB is over the budget");
+    assert_eq!(h.s.learn_sized(w, 8 * MB, &[step]), Some((0, (4 * MB) as f64)));
+    h.finish(step);
+    h.at(3.0);
+    h.call("small").unwrap();
+
+    h.at(4.0);
+    let steps = submit_sized(&mut h, "w", 0, 3);
+    assert_eq!(h.outcome(steps), Some(Ok(())));
+    assert_eq!(h.s.slot(w).working_reserved(), 12 * MB, "three hypotheses at 4 MB each");
+    assert_eq!(h.evictions(), ["small"], "nothing more evicted for a step");
+    assert_eq!(h.s.accounted(&Device::Cpu), 512 * MB);
+    h.finish(steps);
+    assert_eq!(h.s.slot(w).working_reserved(), 0, "given back when the run ends");
+
+    h.at(5.0);
+    let encode = submit_sized(&mut h, "w", 1, 1);
+    assert_eq!(h.outcome(encode), Some(Ok(())));
+    assert_eq!(h.s.slot(w).working_reserved(), 600 * MB);
+    assert_eq!(h.evictions(), ["small", "small"], "the next encoder pass holds its 600 MB again");
+    h.finish(encode);
+}
+
+#[test]
+fn a_page_s_working_set_follows_its_pixels() {
+    let mut h = Harness::new(1000, &[("det", 50), ("a", 300), ("b", 300)]);
+    let det = h.id("det");
+    h.call_a_second_apart(&["a", "b"]);
+    h.at(2.0);
+    let large = submit_sized(&mut h, "det", 0, 1_000_000);
+    assert_eq!(h.s.learn_sized(det, 400 * MB, &[large]), Some((0, 400.0 * MB as f64 / 1e6)));
+    h.s.learn_transient(det, 400 * MB);
+    h.finish(large);
+
+    h.at(3.0);
+    let small = submit_sized(&mut h, "det", 0, 250_000);
+    assert_eq!(h.outcome(small), Some(Ok(())));
+    assert_eq!(
+        h.s.slot(det).working_reserved(),
+        100 * MB,
+        "a quarter of the pixels, a quarter of the memory"
+    );
+    assert!(h.evictions().is_empty(), "650 + 100 MB fit: {:?}", h.evictions());
+    h.finish(small);
+
+    h.at(4.0);
+    let large = submit_sized(&mut h, "det", 0, 1_000_000);
+    assert_eq!(h.outcome(large), Some(Ok(())));
+    assert_eq!(h.evictions(), ["a"], "650 + 400 MB do not");
+    h.finish(large);
+}
+
+#[test]
+fn only_runs_of_one_kind_of_work_that_said_its_size_teach_a_rate() {
+    let mut h = Harness::with(1000, &[("m", 100)], |p| p.max_batch_size = 8);
+    let m = h.id("m");
+    h.at(1.0);
+    let unsized_req = h.use_model("m").unwrap();
+    assert_eq!(h.s.learn_sized(m, 50 * MB, &[unsized_req]), None, "a request that said nothing");
+    h.finish(unsized_req);
+    // Two requests queued while the model is away run as one batch of two kinds.
+    h.at(2.0);
+    let a = h.feed(Event::Unload { req: 900, model: m });
+    h.settle(a);
+    let (mut sized, mut actions) = (Vec::new(), Vec::new());
+    for class in [0, 1] {
+        let req = h.next_req;
+        h.next_req += 1;
+        let size = Some(WorkSize { class, units: 1 });
+        actions.extend(h.feed(Event::Submit(Submit {
+            req,
+            model: m,
+            priority: None,
+            rows: 1,
+            key: Some(7),
+            size,
+        })));
+        sized.push(req);
+    }
+    h.settle(actions);
+    assert_eq!(h.batch_of(sized[0]).map(|(_, reqs, _)| reqs), Some(sized.clone()));
+    assert_eq!(h.s.learn_sized(m, 50 * MB, &sized), None, "a batch of two kinds says nothing of either");
+    h.finish(sized[0]);
+    assert!(h.s.slot(m).working_rates.is_empty());
+
+    let mut fixed = Harness::with(1000, &[("fixed", 100)], |p| p.memory = Some(100 * MB));
+    let id = fixed.id("fixed");
+    let req = submit_sized(&mut fixed, "fixed", 0, 10);
+    assert_eq!(fixed.s.learn_sized(id, 50 * MB, &[req]), None, "the config's word stands");
+}

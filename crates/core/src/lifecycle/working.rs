@@ -1,0 +1,115 @@
+//! Working sets (issue 21's mix): what a run holds at its peak and gives back when it
+//! ends — activations, an encoder's attention — is held against the budget while the
+//! run is in flight. A model's largest measured run is what is held for work that says
+//! nothing of its size; work that does ([`WorkSize`]: a page's pixels, a decoder step's
+//! hypotheses) is held at the bytes per unit its class measured, so a transcription's
+//! hundred decoder steps do not hold the room of its encoder pass, nor a small page the
+//! room of an A4 one.
+
+use super::*;
+use slot::ModelSlot;
+
+impl ModelSlot {
+    /// What a run of work of these sizes is expected to hold at its peak: the bytes
+    /// per unit its class measured, or the model's largest run when a piece of it says
+    /// nothing of its size or its class was never measured.
+    pub(super) fn reservation(&self, sizes: impl IntoIterator<Item = Option<WorkSize>>) -> u64 {
+        let mut total = 0u64;
+        for size in sizes {
+            let Some(size) = size else { return self.working_bytes };
+            let Some(rate) = self.rate(size.class) else { return self.working_bytes };
+            total = total.saturating_add((rate * size.units as f64).ceil() as u64);
+        }
+        total
+    }
+
+    fn rate(&self, class: u8) -> Option<f64> {
+        self.working_rates.iter().find(|(c, _)| *c == class).map(|(_, r)| *r)
+    }
+
+    /// The run of `reqs` ended: what was held for it is free again.
+    pub(super) fn release_reservation(&mut self, reqs: &[RequestId]) {
+        if let Some(i) = self.reserved.iter().position(|(first, _)| reqs.contains(first)) {
+            self.reserved.swap_remove(i);
+        }
+        if self.running == 0 {
+            self.reserved.clear();
+        }
+    }
+}
+
+impl Scheduler {
+    /// A run of `model` held `transient` bytes at its peak and gave them back: its
+    /// working set, held against the budget while it runs, is the largest such run —
+    /// the first one measured replaces what the backend declared (unless the config
+    /// fixed its memory). Returns the working set when it changed.
+    pub fn learn_transient(&mut self, model: ModelId, transient: u64) -> Option<u64> {
+        let s = &mut self.slots[model];
+        if s.policy.memory.is_some() || (s.working_measured && transient <= s.working_bytes) {
+            return None;
+        }
+        let before = s.working_bytes;
+        s.working_bytes = if s.working_measured { before.max(transient) } else { transient };
+        s.working_measured = true;
+        (s.working_bytes != before).then_some(s.working_bytes)
+    }
+
+    /// The run of `reqs` (still in flight) on `model` held `transient` bytes at its
+    /// peak: when all of its work said its size, in one class, that class's bytes per
+    /// unit are at least `transient` over their units (the most any run measured).
+    /// Returns the class and its new rate when it changed.
+    pub fn learn_sized(&mut self, model: ModelId, transient: u64, reqs: &[RequestId]) -> Option<(u8, f64)> {
+        if self.slots[model].policy.memory.is_some() {
+            return None;
+        }
+        let mut class = None;
+        let mut units = 0u64;
+        for r in reqs {
+            let (m, _, q) = self.in_flight.get(r)?;
+            let size = q.size.filter(|_| *m == model)?;
+            if class.is_some_and(|c| c != size.class) {
+                return None; // a batch of two kinds says nothing of either
+            }
+            class = Some(size.class);
+            units = units.saturating_add(size.units);
+        }
+        let (class, units) = (class?, units.max(1));
+        let rate = transient as f64 / units as f64;
+        let s = &mut self.slots[model];
+        match s.working_rates.iter_mut().find(|(c, _)| *c == class) {
+            Some((_, r)) if *r >= rate => return None,
+            Some((_, r)) => *r = rate,
+            None => s.working_rates.push((class, rate)),
+        }
+        Some((class, rate))
+    }
+
+    /// A run whose working set fits neither in what is free nor in what evicting the
+    /// idle models would free waits while another model's working set is in use: the
+    /// two run one after the other (as they would share the cores anyway) rather than
+    /// side by side at the cost of every idle model. With no other working set in use
+    /// it runs; `hold_budgets` then evicts what idle models it must. The working set is
+    /// the one expected of the request at the head of its queue.
+    pub(super) fn waits_for_memory(&self, model: ModelId) -> bool {
+        let s = &self.slots[model];
+        let Some(device) = s.device() else { return false };
+        let Some(head) = s.queue.head() else { return false };
+        let working = s.reservation([head.size]);
+        if s.running > 0 || working == 0 {
+            return false;
+        }
+        let others_working =
+            self.slots.iter().any(|o| o.working_reserved() > 0 && o.device() == Some(device));
+        if !others_working {
+            return false;
+        }
+        let idle: u64 = self
+            .slots
+            .iter()
+            .filter(|o| o.idle().is_some() && !o.policy.pinned)
+            .filter_map(|o| o.held_on(device))
+            .sum();
+        let staying = self.accounted(device).saturating_sub(self.leaving(device) + idle);
+        working.saturating_add(self.config.headroom) > self.budget(device).saturating_sub(staying)
+    }
+}
