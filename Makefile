@@ -52,7 +52,8 @@ prepare: venv models
 # Debian packages the tests drive: headless Chromium (the dashboard's end-to-end test),
 # nginx (three nodes behind a proxy, deploy/nginx/snooze.conf), real speech with its
 # transcripts (pocketsphinx-testdata) and the tools that re-encode it into every audio
-# format the server takes (sox with its format plugins, lame for MP3 with a length tag).
+# format the server takes (sox with its format plugins, lame for MP3 with a length tag),
+# and espeak-ng (Spanish and French speech for whisper-base's language tests).
 # Installed when missing and this runs as root with apt; otherwise the tests that need
 # them fail and say what is missing.
 system-packages:
@@ -61,6 +62,7 @@ system-packages:
 	[ -x /usr/sbin/nginx ] || command -v nginx >/dev/null 2>&1 || missing="$$missing nginx"; \
 	command -v sox >/dev/null 2>&1 && sox -h 2>/dev/null | grep -q mp3 || missing="$$missing sox libsox-fmt-all"; \
 	command -v lame >/dev/null 2>&1 || missing="$$missing lame"; \
+	command -v espeak-ng >/dev/null 2>&1 || missing="$$missing espeak-ng"; \
 	[ -f /usr/share/pocketsphinx/test/data/goforward.raw ] || missing="$$missing pocketsphinx-testdata"; \
 	if [ -n "$$missing" ]; then \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \

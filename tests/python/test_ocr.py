@@ -137,7 +137,9 @@ class WorkingSetTest(unittest.TestCase):
         estimate, model, lines, learned = self.large_pass("")
         measured = model["footprint_measured_bytes"]
         self.assertGreater(measured, 64 << 20, f"the arena's activations not learned: {model}")
-        self.assertGreater(measured, 4 * estimate, model)
+        # 3.7-4.5x on the CPUs measured (the arena's buffers differ by CPU); handed back,
+        # the same pass stays under 3x (the test above).
+        self.assertGreater(measured, 3 * estimate, model)
         self.assertTrue(any("left" in l and "resident" in l for l in lines), "the growth is logged")
         self.assertEqual(learned["footprints"]["ocr-det"]["steady_bytes"], measured, learned)
 

@@ -34,6 +34,8 @@ fn a_run_gives_its_activations_back_unless_told_to_keep_them() {
     let released = kept_after_a_page(true);
     let kept = kept_after_a_page(false);
     println!("after one page: {released:.1} MiB kept released, {kept:.1} MiB kept in the arena");
-    assert!(kept > 100.0, "the arena keeps a page's activations: {kept:.1} MiB");
+    // A page's activations are many times the detector's ~10 MB of weights (98-141 MiB
+    // kept on the CPUs measured: ONNX Runtime's kernels and their buffers differ by CPU).
+    assert!(kept > 60.0, "the arena keeps a page's activations: {kept:.1} MiB");
     assert!(released < kept / 2.0, "released: {released:.1} MiB left vs {kept:.1} MiB kept");
 }
