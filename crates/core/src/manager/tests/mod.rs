@@ -346,13 +346,17 @@ async fn idle_models_unload_when_keep_alive_runs_out() {
 #[tokio::test]
 async fn probe_oom_evicts_and_retries_through_the_actor() {
     // The budget allows three, but the fake machine has room for two: the third load
-    // reports a verified OOM, the shell evicts the LRU and the retry fits.
+    // reports a verified OOM, the shell evicts an idle model and the retry fits. Which
+    // one goes is the eviction order's (by worth: each was asked for once, and their
+    // load times, measured on the real clock here, decide) — not this test's subject.
     let s = setup(&["a", "b", "c"], KeepAlive::Forever);
     s.m.infer("a", None, rows(1, 0.0), vec![]).await.unwrap();
     s.m.infer("b", None, rows(1, 0.0), vec![]).await.unwrap();
     let c = s.m.infer("c", None, rows(1, 0.0), vec![]).await;
     assert!(c.is_ok(), "{:?}", c.err());
-    assert_eq!(s.m.status().await[0].evictions, 1, "a, the LRU, made room");
+    let status = s.m.status().await;
+    assert_eq!(status[0].evictions + status[1].evictions, 1, "one idle model made room");
+    assert_eq!(status[2].state, StateName::Ready);
 }
 
 #[tokio::test]
