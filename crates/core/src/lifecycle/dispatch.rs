@@ -11,7 +11,9 @@ use crate::events::metric;
 
 use super::{
     queue::{Priority, Queued, Retry},
-    refusal, Action, ModelId, RequestId, Resume, RunOutcome, Scheduler, SlotState, UnloadReason,
+    refusal,
+    working::RunHold,
+    Action, ModelId, RequestId, Resume, RunOutcome, Scheduler, SlotState, UnloadReason,
 };
 
 impl Scheduler {
@@ -53,7 +55,10 @@ impl Scheduler {
             // shared intra-op pool, and side by side they only slow each other and the
             // short requests between them.
             let slices = self.config.max_concurrent_slices;
-            if head.size.is_some() && slices != 0 && self.slices.len() >= slices as usize {
+            if head.size.is_some()
+                && slices != 0
+                && self.slots.iter().map(|o| o.slices_running()).sum::<usize>() >= slices as usize
+            {
                 return;
             }
             if self.waits_for_memory(model) {
@@ -74,11 +79,9 @@ impl Scheduler {
             if batch.iter().map(|(_, q)| q.rows).sum::<u32>() > 1 {
                 s.batched_runs = s.batched_runs.saturating_add(1);
             }
-            let reserve = s.reservation(batch.iter().map(|(_, q)| q.size));
-            s.reserved.push((batch[0].1.req, reserve));
-            if batch[0].1.size.is_some() {
-                self.slices.push((model, batch[0].1.req));
-            }
+            let bytes = s.reservation(batch.iter().map(|(_, q)| q.size));
+            let (first, slice) = (batch[0].1.req, batch[0].1.size.is_some());
+            s.reserved.push(RunHold { first, bytes, slice });
             s.running += 1;
             s.owed = s.owed.saturating_sub(batch.len());
             self.running += 1;
@@ -103,10 +106,6 @@ impl Scheduler {
         s.running = s.running.saturating_sub(1);
         self.running = self.running.saturating_sub(1);
         s.release_reservation(&reqs);
-        let ended = |(m, first): &(ModelId, RequestId)| *m == model && reqs.contains(first);
-        if let Some(i) = self.slices.iter().position(ended) {
-            self.slices.swap_remove(i);
-        }
         // Rule 2: idle time counts from when the work completed.
         if let SlotState::Ready { last_used, .. } = &mut s.state {
             *last_used = now;

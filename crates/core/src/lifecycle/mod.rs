@@ -247,8 +247,6 @@ pub struct Scheduler {
     /// Dispatched requests: what they were, in case an out-of-memory retry requeues them.
     in_flight: HashMap<RequestId, (ModelId, Priority, Queued)>,
     running: u32,
-    /// The runs of slices in flight, by model and the batch's first request.
-    slices: Vec<(ModelId, RequestId)>,
     /// The preparation in progress and the bytes it holds at its peak.
     preparing: Option<(ModelId, u64)>,
     collections: Vec<Collection>,
@@ -269,7 +267,6 @@ impl Scheduler {
             available: BTreeMap::new(),
             unreadable: Vec::new(),
             in_flight: HashMap::new(),
-            slices: Vec::new(),
             running: 0,
             preparing: None,
             collections: Vec::new(),

@@ -155,8 +155,9 @@ pub struct ModelSlot {
     /// Bytes a run held at its peak per unit of its work's size, by the size's class:
     /// the most a measured run held (see `working.rs`).
     pub(super) working_rates: Vec<(u8, f64)>,
-    /// What each run in flight holds against the budget, by its batch's first request.
-    pub(super) reserved: Vec<(super::RequestId, u64)>,
+    /// Its runs in flight, by their batch's first request: what each holds against the
+    /// budget, and whether it is a slice of long work (see `max_concurrent_slices`).
+    pub(super) reserved: Vec<super::working::RunHold>,
     /// The most a run left resident since the last load (already in its footprint).
     pub(super) kept_bytes: u64,
     pub loads: u64,
@@ -290,7 +291,7 @@ impl ModelSlot {
     /// The working sets of its runs in flight: between runs a model holds only its
     /// footprint.
     pub(super) fn working_reserved(&self) -> u64 {
-        self.reserved.iter().map(|(_, bytes)| bytes).sum()
+        self.reserved.iter().map(|r| r.bytes).sum()
     }
 
     /// Loading or unloading on `device`: the device is not quiet.

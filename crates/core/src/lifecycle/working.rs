@@ -9,6 +9,15 @@
 use super::*;
 use slot::ModelSlot;
 
+/// A run in flight: what it holds against the budget, and whether it is a slice of long
+/// work (a task job's).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct RunHold {
+    pub first: RequestId,
+    pub bytes: u64,
+    pub slice: bool,
+}
+
 impl ModelSlot {
     /// What a run of work of these sizes is expected to hold at its peak: the bytes
     /// per unit its class measured, or the model's largest run when a piece of it says
@@ -27,9 +36,14 @@ impl ModelSlot {
         self.working_rates.iter().find(|(c, _)| *c == class).map(|(_, r)| *r)
     }
 
+    /// Slices of long work it runs now.
+    pub(super) fn slices_running(&self) -> usize {
+        self.reserved.iter().filter(|r| r.slice).count()
+    }
+
     /// The run of `reqs` ended: what was held for it is free again.
     pub(super) fn release_reservation(&mut self, reqs: &[RequestId]) {
-        if let Some(i) = self.reserved.iter().position(|(first, _)| reqs.contains(first)) {
+        if let Some(i) = self.reserved.iter().position(|r| reqs.contains(&r.first)) {
             self.reserved.swap_remove(i);
         }
         if self.running == 0 {

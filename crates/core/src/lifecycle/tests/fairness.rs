@@ -107,11 +107,7 @@ fn a_slice_does_not_jump_ahead_of_requests_of_its_own_model() {
 
 /// Submits a slice of long work (a task job, which says its size) to `name`.
 fn submit_slice(h: &mut Harness, name: &str) -> (RequestId, Vec<Action>) {
-    let req = h.next_req;
-    h.next_req += 1;
-    let model = h.id(name);
-    let size = Some(WorkSize { class: 0, units: 1 });
-    let a = h.feed(Event::Submit(Submit { req, model, priority: None, rows: 1, key: Some(3), size }));
+    let (req, a) = h.submit_sized(name, 3, WorkSize { class: 0, units: 1 });
     (req, h.settle(a))
 }
 

@@ -85,10 +85,27 @@ impl Harness {
         rows: u32,
         key: Option<u64>,
     ) -> (RequestId, Vec<Action>) {
+        self.submit_full(name, priority, rows, key, None)
+    }
+
+    /// Submits a one-row request whose work says its size (a task job's slice), batch key
+    /// `key`, at the model's default priority.
+    pub fn submit_sized(&mut self, name: &str, key: u64, size: WorkSize) -> (RequestId, Vec<Action>) {
+        self.submit_full(name, None, 1, Some(key), Some(size))
+    }
+
+    fn submit_full(
+        &mut self,
+        name: &str,
+        priority: Option<Priority>,
+        rows: u32,
+        key: Option<u64>,
+        size: Option<WorkSize>,
+    ) -> (RequestId, Vec<Action>) {
         let req = self.next_req;
         self.next_req += 1;
         let model = self.id(name);
-        (req, self.feed(Event::Submit(Submit { req, model, priority, rows, key, size: None })))
+        (req, self.feed(Event::Submit(Submit { req, model, priority, rows, key, size })))
     }
 
     /// Completes every load / unload in `actions` (and what follows), successfully.

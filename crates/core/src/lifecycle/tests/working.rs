@@ -168,11 +168,7 @@ fn a_large_model_asked_for_once_goes_before_a_small_one_asked_for_often() {
 
 /// Submits one request of `name` whose work says its size, and lets loads run.
 fn submit_sized(h: &mut Harness, name: &str, class: u8, units: u64) -> RequestId {
-    let req = h.next_req;
-    h.next_req += 1;
-    let model = h.id(name);
-    let size = Some(WorkSize { class, units });
-    let a = h.feed(Event::Submit(Submit { req, model, priority: None, rows: 1, key: Some(7), size }));
+    let (req, a) = h.submit_sized(name, 7, WorkSize { class, units });
     h.settle(a);
     req
 }
@@ -262,17 +258,8 @@ fn only_runs_of_one_kind_of_work_that_said_its_size_teach_a_rate() {
     h.settle(a);
     let (mut sized, mut actions) = (Vec::new(), Vec::new());
     for class in [0, 1] {
-        let req = h.next_req;
-        h.next_req += 1;
-        let size = Some(WorkSize { class, units: 1 });
-        actions.extend(h.feed(Event::Submit(Submit {
-            req,
-            model: m,
-            priority: None,
-            rows: 1,
-            key: Some(7),
-            size,
-        })));
+        let (req, a) = h.submit_sized("m", 7, WorkSize { class, units: 1 });
+        actions.extend(a);
         sized.push(req);
     }
     h.settle(actions);
