@@ -265,6 +265,18 @@ fn pages_queued_together_share_runs_and_read_the_same() {
 }
 
 #[test]
+fn large_pages_never_share_a_detector_run() {
+    // Shared, four A4 pages at 150 DPI held 1.7 GiB of activations at once.
+    let options = OcrOptions::default();
+    let key = |w, h| DetJob::new(&BgrImage::filled(w, h, [255; 3]), &options).unwrap().batch_key();
+    assert_eq!(key(800, 600), key(800, 600), "small pages of one size share runs");
+    assert_ne!(key(1240, 1754), key(1240, 1754), "an A4 page at 150 DPI runs alone");
+    let job = DetJob::new(&BgrImage::filled(1240, 1754, [255; 3]), &options).unwrap();
+    let (w, h) = job.input_size().unwrap();
+    assert!(w * h >= snooze_vision::jobs::SOLO_PIXELS);
+}
+
+#[test]
 fn a_blank_page_has_no_crops_and_its_later_jobs_run_no_model() {
     let stages = Stages::new();
     let white = BgrImage::filled(800, 600, [255; 3]);

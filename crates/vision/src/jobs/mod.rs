@@ -3,11 +3,12 @@
 //! the classifier, then a [`RecJob`] on the recogniser, each model loaded, batched and
 //! evicted on its own, and a page holding at most one stage's model at a time.
 //!
-//! A detector slice reads whole pages: pages whose detector inputs have the same size
-//! share one `[B, 3, H, W]` run. A classifier or recogniser slice advances each of its
-//! jobs by one of rapidocr's batches of crops (`plan_batches`), the batches of all the
-//! jobs sharing the slice merged into one model run, so small pages queued together
-//! cost one run instead of one each. Every merge gives each crop the very input it
+//! A detector slice reads whole pages: small pages whose detector inputs have the same
+//! size share one `[B, 3, H, W]` run; a large one runs alone ([`SOLO_PIXELS`]). A
+//! classifier or recogniser slice advances each of its jobs by one of rapidocr's
+//! batches of crops (`plan_batches`), the batches of all the jobs sharing the slice
+//! merged into one model run, so small pages queued together cost one run instead of
+//! one each. Every merge gives each crop the very input it
 //! would have had alone, so the answers are rapidocr's: the classifier's input is a
 //! fixed 48 x 192, and a recogniser batch is padded to its widest crop, so only
 //! batches of equal padded width merge (the width is in the job's batch key). Padding a
@@ -17,8 +18,8 @@
 //! On the CPU (one thread per run) a shared run saves little model time: the detector
 //! took the same time per page in batches of 1, 2 and 4, the recogniser its least per
 //! crop at 6. What sharing buys is fewer slices and queue turns per page; a detector
-//! batch also holds B pages' activations at once, so `max_batch_size` 1 suits `ocr-det`
-//! there.
+//! batch also holds B pages' activations at once, so pages of a megapixel or more never
+//! share one.
 //!
 //! The server's order for one page: [`DetJob::new`] → slices → [`DetJob::into_result`]
 //! gives a [`DetectedPage`]; its crops → [`ClsJob::new`] → slices →
@@ -44,7 +45,7 @@ use snooze_core::{InferError, LoadedModel, Progress, TaskJob, Tensor};
 use crate::{error::VisionError, pipeline::StageTimes};
 
 pub use cls::{run_cls_slice, ClsJob};
-pub use det::{run_det_slice, DetJob, DetectedPage};
+pub use det::{run_det_slice, DetJob, DetectedPage, SOLO_PIXELS};
 pub use rec::{run_rec_slice, RecJob};
 
 /// Time one job spent in its stage. Work done for a whole shared run (building its
