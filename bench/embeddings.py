@@ -171,6 +171,43 @@ class Background:
                 f"over the {wall:.0f} s timed")
 
 
+def status_kib(pid, key):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_peak(pid):
+    """Resets VmHWM to the current RSS (Linux >= 4.0); False where not allowed."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakSampler:
+    """The highest VmRSS of `pid`, sampled every 50 ms while running."""
+
+    def __init__(self, pid):
+        self.pid, self.peak, self.stop = pid, 0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.is_set():
+            self.peak = max(self.peak, status_kib(self.pid, "VmRSS"))
+            self.stop.wait(0.05)
+
+    def finish(self):
+        self.stop.set()
+        self.thread.join()
+        return max(self.peak, status_kib(self.pid, "VmRSS"))
+
+
 def machine_info():
     model = platform.processor() or platform.machine()
     try:

@@ -2,7 +2,7 @@
 """OCR images/s: the PP-OCR pipeline through SnoozeML vs rapidocr in-process, same machine,
 same run, the same three ONNX files (PP-OCRv6 det and rec small, ch_ppocr_mobile_v2.0 cls).
 One server (models/ocr-det, ocr-cls, ocr-rec, keep_alive -1, and `[pipelines.ocr]` over
-them) answers both modes.
+them) answers every mode.
 
 --mode service: the fixture pages (tests/fixtures/ocr_pages, PNG and JPEG) read by
 
@@ -22,11 +22,14 @@ them) answers both modes.
               client-side work as `snooze` without the server, to tell the server's share
               from the pipeline's (ocr_kserve does its image steps in numpy, rapidocr in OpenCV)
 
+--mode pdf: the memory of a 100-page A4 PDF at 150 DPI against one page batch's (see
+bench/ocr_pdf.py).
+
 Needs the bench venv with the OCR extras, and the release server:
 
     bench/.venv/bin/pip install -r bench/requirements-st.txt -r bench/requirements-ocr.txt
     make prepare && cargo build --release --bin snooze
-    bench/.venv/bin/python bench/ocr.py                 # both modes; --mode service|kserve
+    bench/.venv/bin/python bench/ocr.py                 # every mode; --mode service|kserve|pdf
 
 Before anything is timed, the server's text of every page is compared with rapidocr's
 (service mode: reported; kserve mode: every contender must read every rendered sentence
@@ -55,6 +58,7 @@ from embeddings import (MODELS, Background, contenders, interleaved, loadavg, ma
 
 import embeddings  # noqa: E402
 import ocr_kserve as oc  # noqa: E402
+from ocr_pdf import pdf_bench  # noqa: E402
 
 SENTENCES = [
     "SnoozeML reads this line",
@@ -66,7 +70,7 @@ CONTENDERS = ["snooze", "rapidocr", "local"]
 OCR_MODELS = (oc.DET, oc.CLS, oc.REC)
 PAGES = os.path.join(ROOT, "tests", "fixtures", "ocr_pages")
 REFERENCE = os.path.join(ROOT, "tests", "fixtures", "ocr_reference.json")
-MODES = ("service", "kserve")
+MODES = ("service", "kserve", "pdf")
 
 
 def rapidocr_engine():
@@ -101,9 +105,9 @@ class Timed:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", default="both", choices=[*MODES, "both"],
+    ap.add_argument("--mode", default="all", choices=[*MODES, "all"],
                     help="service (POST /v1/ocr on the fixture pages), kserve (the client-side pipeline "
-                         "over KServe v2) or both (default)")
+                         "over KServe v2), pdf (the memory of a long PDF, bench/ocr_pdf.py) or all (default)")
     ap.add_argument("--contenders", default=",".join(CONTENDERS),
                     help=f"kserve mode: comma-separated subset of {','.join(CONTENDERS)} (default: all)")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per contender (default 5)")
@@ -112,10 +116,11 @@ def parse_args(argv=None):
     ap.add_argument("--page-passes", type=int, default=2,
                     help="service mode: passes over the fixture pages in one round (default 2)")
     ap.add_argument("--clients", type=int, default=4, help="service mode: concurrent clients (default 4)")
+    ap.add_argument("--pdf-pages", type=int, default=100, help="pdf mode: pages of the long PDF (default 100)")
     ap.add_argument("--size", type=int, default=32, help="font size of the rendered sentences (default 32)")
     args = ap.parse_args(argv)
     args.contenders = contenders(ap, args.contenders, CONTENDERS)
-    args.modes = MODES if args.mode == "both" else (args.mode,)
+    args.modes = MODES if args.mode == "all" else (args.mode,)
     return args
 
 
@@ -354,8 +359,9 @@ def main(argv=None):
         if not os.path.isfile(os.path.join(MODELS, m, "model.onnx")):
             sys.exit(f"{os.path.join(MODELS, m, 'model.onnx')} missing: make prepare")
     t_begin = time.perf_counter()
-    need_server = "service" in args.modes or "snooze" in args.contenders
-    need_rapidocr = "service" in args.modes or "rapidocr" in args.contenders
+    kserve = "kserve" in args.modes
+    need_server = "service" in args.modes or "pdf" in args.modes or (kserve and "snooze" in args.contenders)
+    need_rapidocr = "service" in args.modes or (kserve and "rapidocr" in args.contenders)
     proc = base = None
     try:
         if need_server:
@@ -368,6 +374,8 @@ def main(argv=None):
             service_bench(args, proc, base, engine)
         if "kserve" in args.modes:
             kserve_bench(args, proc, base, engine)
+        if "pdf" in args.modes:
+            pdf_bench(args, proc, base, multipart)
         print(f"\ntotal {time.perf_counter() - t_begin:.0f} s")
     finally:
         if proc is not None:

@@ -60,8 +60,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import embeddings  # noqa: E402  (the server helpers bench/ocr.py uses too)
-from embeddings import (MODELS, ROOT, Background, contenders, loadavg, machine_info, proc_cpu_seconds,  # noqa: E402
-                        start_server, stop_server)
+from embeddings import (MODELS, ROOT, Background, PeakSampler, contenders, loadavg, machine_info,  # noqa: E402
+                        proc_cpu_seconds, reset_peak, start_server, status_kib, stop_server)
 
 SITE = sorted(glob.glob(os.path.join(ROOT, ".venv", "lib", "python3*", "site-packages")))
 SITE = SITE[0] if SITE else ""
@@ -251,43 +251,6 @@ def ct2_folder(source, tmp):
 
 
 # --- memory ----------------------------------------------------------------------------------
-
-def status_kib(pid, key):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def reset_peak(pid):
-    """Resets VmHWM to the current RSS (Linux >= 4.0); False where not allowed."""
-    try:
-        with open(f"/proc/{pid}/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-class PeakSampler:
-    """The highest VmRSS of `pid`, sampled every 50 ms while running."""
-
-    def __init__(self, pid):
-        self.pid, self.peak, self.stop = pid, 0, threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        while not self.stop.is_set():
-            self.peak = max(self.peak, status_kib(self.pid, "VmRSS"))
-            self.stop.wait(0.05)
-
-    def finish(self):
-        self.stop.set()
-        self.thread.join()
-        return max(self.peak, status_kib(self.pid, "VmRSS"))
-
 
 def admin_model(client, name):
     return next(m for m in client.get("/admin/models")["models"] if m["name"] == name)
