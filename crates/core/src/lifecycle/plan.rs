@@ -10,7 +10,10 @@
 //! runs end). Never evicted: pinned models, models still serving the requests that
 //! waited for their load, models younger than their `min_residency`.
 
-use std::{collections::BTreeSet, time::Instant};
+use std::{
+    collections::BTreeSet,
+    time::{Duration, Instant},
+};
 
 use crate::{backend::Device, pressure::PressureLevel};
 
@@ -394,6 +397,7 @@ impl Scheduler {
         overdue: bool,
     ) -> Vec<(ModelId, Standing)> {
         let since = self.waiting_since(&self.slots[except]);
+        let behind = self.slots[except].last_load.unwrap_or_default();
         let mut v: Vec<(bool, f64, Instant, ModelId, Standing)> = Vec::new();
         for (id, s) in self.slots.iter().enumerate() {
             let SlotState::Ready { device: d, loaded_at, last_used, .. } = &s.state else { continue };
@@ -419,7 +423,7 @@ impl Scheduler {
             } else {
                 Standing::Until(swap_at.unwrap_or(now))
             };
-            v.push((!s.queue.is_empty(), self.keep_value(id, now), *last_used, id, standing));
+            v.push((!s.queue.is_empty(), self.keep_value(id, now, behind), *last_used, id, standing));
         }
         v.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)).then(a.2.cmp(&b.2)).then(a.3.cmp(&b.3)));
         v.into_iter().map(|(_, _, _, id, st)| (id, st)).collect()
@@ -434,7 +438,12 @@ impl Scheduler {
     /// requests over the time since the first of them — so a model no longer asked for
     /// loses its worth, and among models of equal cost and size the least recently used
     /// goes first.
-    pub(super) fn keep_value(&self, id: ModelId, now: Instant) -> f64 {
+    ///
+    /// `behind`: the load the room is made for, as long as it took last time. Loads run
+    /// one at a time, so a model asked for more often than that load takes would be
+    /// asked for again while it runs, and its reload wait for it: for that load, a 7 ms
+    /// reload of a model asked for ten times a second costs the ~850 ms of Whisper's.
+    pub(super) fn keep_value(&self, id: ModelId, now: Instant, behind: Duration) -> f64 {
         let s = &self.slots[id];
         let SlotState::Ready { last_used, .. } = s.state else { return 0.0 };
         let since = |t: Instant| now.saturating_duration_since(t);
@@ -442,8 +451,9 @@ impl Scheduler {
             Some(p) => (since(p) / 2).min(since(last_used)),
             None => since(last_used),
         };
+        let load = s.last_load.map(|l| if interval < behind { l.max(behind) } else { l });
         let interval = interval.as_secs_f64().max(1e-3);
-        let cost = match (s.last_load, s.first_run) {
+        let cost = match (load, s.first_run) {
             (Some(load), Some(run)) => (load + run).as_secs_f64(),
             (Some(load), None) => load.as_secs_f64(),
             _ => 0.1,
@@ -453,8 +463,10 @@ impl Scheduler {
     }
 
     /// Idle, unpinned models on `device` other than `except`, the one worth least first
-    /// (see `keep_value`; for holding the budget and the out-of-memory retry of a load).
+    /// (see `keep_value`; for holding the budget and the out-of-memory retry of a load:
+    /// of `except`'s, when it is a model).
     pub(super) fn idle_by_worth(&self, device: &Device, except: ModelId, now: Instant) -> Vec<ModelId> {
+        let behind = self.slots.get(except).and_then(|s| s.last_load).unwrap_or_default();
         let mut v: Vec<(f64, Instant, ModelId)> = self
             .slots
             .iter()
@@ -464,7 +476,7 @@ impl Scheduler {
                 SlotState::Ready { loaded_at, .. } => loaded_at + s.policy.min_residency <= now,
                 _ => false,
             })
-            .filter_map(|(id, s)| Some((self.keep_value(id, now), s.idle()?, id)))
+            .filter_map(|(id, s)| Some((self.keep_value(id, now, behind), s.idle()?, id)))
             .collect();
         v.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
         v.into_iter().map(|(_, _, id)| id).collect()

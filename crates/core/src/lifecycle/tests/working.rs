@@ -166,6 +166,32 @@ fn a_large_model_asked_for_once_goes_before_a_small_one_asked_for_often() {
     assert_eq!(h.state("hot"), StateName::Ready);
 }
 
+#[test]
+fn a_model_asked_for_while_a_long_load_would_run_is_not_evicted_for_it() {
+    // "cold" takes a second to bring back, "hot" 10 ms: by load times alone "hot" goes.
+    // But "slow" loads in 2 s, one load runs at a time, and "hot" is asked for every
+    // 50 ms: evicted for "slow", its next requests would wait the 2 s for its reload.
+    let mut h = Harness::new(250, &[("slow", 100), ("hot", 100), ("cold", 100)]);
+    let slow = h.id("slow");
+    let (req, a) = h.submit("slow");
+    h.settle_loading_in(a, Duration::from_secs(2));
+    h.finish(req);
+    let a = h.feed(Event::Unload { req: 900, model: slow });
+    h.settle(a);
+    h.at(10.0);
+    let (req, a) = h.submit("cold");
+    h.settle_loading_in(a, Duration::from_secs(1));
+    h.finish(req);
+    for i in 0..=20 {
+        h.at(10.5 + f64::from(i) * 0.05);
+        h.call("hot").unwrap();
+    }
+    h.at(11.55);
+    h.call("slow").unwrap();
+    assert_eq!(h.evictions(), ["cold"]);
+    assert_eq!(h.state("hot"), StateName::Ready);
+}
+
 /// Submits one request of `name` whose work says its size, and lets loads run.
 fn submit_sized(h: &mut Harness, name: &str, class: u8, units: u64) -> RequestId {
     let (req, a) = h.submit_sized(name, 7, WorkSize { class, units });
