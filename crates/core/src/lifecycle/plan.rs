@@ -441,8 +441,8 @@ impl Scheduler {
     ///
     /// `behind`: the load the room is made for, as long as it took last time. Loads run
     /// one at a time, so a model asked for more often than that load takes would be
-    /// asked for again while it runs, and its reload wait for it: for that load, a 7 ms
-    /// reload of a model asked for ten times a second costs the ~850 ms of Whisper's.
+    /// asked for again while it runs, and its reload would wait for it: for that load,
+    /// a 7 ms reload of a model asked for ten times a second costs Whisper's ~850 ms.
     pub(super) fn keep_value(&self, id: ModelId, now: Instant, behind: Duration) -> f64 {
         let s = &self.slots[id];
         let SlotState::Ready { last_used, .. } = s.state else { return 0.0 };

@@ -8,9 +8,10 @@
 //! is in the batch key); each page's probability map is then read on its own, with its
 //! own options. A page of [`SOLO_PIXELS`] or more runs alone: a shared run of such
 //! pages is no faster per page and holds every page's activations at once — four A4
-//! pages at 150 DPI took 1.7 GiB where one takes 0.4. The slice also cuts the crops: they come from the padded page, which the
-//! job can drop right after, and the boxes stay in that page's pixels, where the crops
-//! were cut — [`DetectedPage::assemble`] maps them back to the uploaded image.
+//! pages at 150 DPI took 1.7 GiB where one takes 0.4. The slice also cuts the crops:
+//! they come from the padded page, which the job can drop right after, and the boxes
+//! stay in that page's pixels, where the crops were cut — [`DetectedPage::assemble`]
+//! maps them back to the uploaded image.
 
 use std::{
     sync::atomic::{AtomicU64, Ordering},
