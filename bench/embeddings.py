@@ -171,7 +171,7 @@ class Background:
                 f"over the {wall:.0f} s timed")
 
 
-def status_kib(pid, key):
+def status_bytes(pid, key):
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith(key + ":"):
@@ -199,13 +199,13 @@ class PeakSampler:
 
     def _run(self):
         while not self.stop.is_set():
-            self.peak = max(self.peak, status_kib(self.pid, "VmRSS"))
+            self.peak = max(self.peak, status_bytes(self.pid, "VmRSS"))
             self.stop.wait(0.05)
 
     def finish(self):
         self.stop.set()
         self.thread.join()
-        return max(self.peak, status_kib(self.pid, "VmRSS"))
+        return max(self.peak, status_bytes(self.pid, "VmRSS"))
 
 
 def machine_info():

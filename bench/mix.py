@@ -49,7 +49,8 @@ from concurrent.futures import ThreadPoolExecutor
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from embeddings import MODELS, ROOT, Background, loadavg, machine_info, ort_dylib, proc_cpu_seconds  # noqa: E402
+from embeddings import (MODELS, ROOT, Background, loadavg, machine_info, ort_dylib, proc_cpu_seconds,  # noqa: E402
+                        status_bytes)
 from mix_tasks import Task, build_tasks, fairness, heavy_intervals, percentile, summarise  # noqa: E402
 
 BINARY = os.environ.get("SNOOZE_BIN") or os.path.join(ROOT, "target", "release", "snooze")
@@ -177,14 +178,6 @@ class Server:
             self.proc.kill()
             self.proc.wait()
             return "killed after 60 s"
-
-
-def status_bytes(pid, key):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def prepare(workdir, state_dir, k_big):

@@ -23,7 +23,7 @@ import os
 import random
 import time
 
-from embeddings import PeakSampler, loadavg, status_kib
+from embeddings import PeakSampler, loadavg, status_bytes
 
 MIB = 1 << 20
 DPI = 150
@@ -84,7 +84,7 @@ def post(host, body, content_type):
 def read_pdf(host, upload, pid, settle=2.0):
     """(seconds, RSS before, peak RSS, answer) of one `POST /v1/ocr` of a multipart `upload`."""
     time.sleep(settle)  # the last request's memory goes back first
-    before = status_kib(pid, "VmRSS")
+    before = status_bytes(pid, "VmRSS")
     sampler = PeakSampler(pid)
     t0 = time.perf_counter()
     try:
@@ -107,7 +107,7 @@ def pdf_bench(args, proc, base, multipart):
         read = sum(len(p["lines"]) for p in pages)
         sizes = {(p["width"], p["height"]) for p in pages}
         rows.append((name, len(pages), len(pdf), seconds, before, peak, read, drawn, sizes))
-    idle = status_kib(proc.pid, "VmRSS")
+    idle = status_bytes(proc.pid, "VmRSS")
     print(f"\n{'document':>9} {'pages':>6} {'upload MiB':>11} {'s':>7} {'pages/s':>8} {'RSS before':>11} "
           f"{'peak RSS':>9} {'peak - before':>14} {'lines read/drawn':>17}  page size")
     for name, n, size, seconds, before, peak, read, drawn, sizes in rows:

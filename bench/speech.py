@@ -61,7 +61,7 @@ sys.path.insert(0, HERE)
 
 import embeddings  # noqa: E402  (the server helpers bench/ocr.py uses too)
 from embeddings import (MODELS, ROOT, Background, PeakSampler, contenders, loadavg, machine_info,  # noqa: E402
-                        proc_cpu_seconds, reset_peak, start_server, status_kib, stop_server)
+                        proc_cpu_seconds, reset_peak, start_server, status_bytes, stop_server)
 
 SITE = sorted(glob.glob(os.path.join(ROOT, ".venv", "lib", "python3*", "site-packages")))
 SITE = SITE[0] if SITE else ""
@@ -316,7 +316,7 @@ def long_run(args, proc, client, fw_model, paths, refs, gap, tmp):
           f"{len(clip.data) / MIB:.1f} MiB, model {model}; {loadavg()}")
     out = {}
     for side, pid in (("snooze", proc.pid), ("fw", os.getpid())):
-        before = status_kib(pid, "VmRSS")
+        before = status_bytes(pid, "VmRSS")
         hwm_reset = reset_peak(pid)
         sampler = PeakSampler(pid)
         c0, t0 = proc_cpu_seconds(pid), time.perf_counter()
@@ -326,7 +326,7 @@ def long_run(args, proc, client, fw_model, paths, refs, gap, tmp):
             text = fw_text(fw_model, clip.path, language)
         wall, cpu = time.perf_counter() - t0, proc_cpu_seconds(pid) - c0
         sampled = sampler.finish()
-        hwm = status_kib(pid, "VmHWM") if hwm_reset else None
+        hwm = status_bytes(pid, "VmHWM") if hwm_reset else None
         peak = max(sampled, hwm or 0)
         wer = edits(clip.reference, words(text)) / len(clip.reference)
         out[side] = (wall, before, peak)
@@ -411,19 +411,19 @@ def main(argv=None):
         # Memory at load: one model at a time, server first, then faster-whisper in this process.
         mem = {}
         for m in args.models:
-            before, t0 = status_kib(proc.pid, "VmRSS"), time.perf_counter()
+            before, t0 = status_bytes(proc.pid, "VmRSS"), time.perf_counter()
             client.post(f"/v2/repository/models/{m}/load")
             load_s = time.perf_counter() - t0
             info = admin_model(client, m)
             mem[m] = {"weights": onnx_bytes(SPEECH_MODELS[m][0]), "footprint": info["footprint_measured_bytes"],
-                      "rss": status_kib(proc.pid, "VmRSS") - before, "load_s": load_s}
+                      "rss": status_bytes(proc.pid, "VmRSS") - before, "load_s": load_s}
         fw = {}
         for m in args.models:
             _, source, compute_type, _ = SPEECH_MODELS[m]
-            before, t0 = status_kib(me, "VmRSS"), time.perf_counter()
+            before, t0 = status_bytes(me, "VmRSS"), time.perf_counter()
             fw[m] = WhisperModel(ct2_folder(source, tmp), device="cpu", compute_type=compute_type,
                                  cpu_threads=THREADS, num_workers=1)
-            mem[m]["fw_rss"], mem[m]["fw_load_s"] = status_kib(me, "VmRSS") - before, time.perf_counter() - t0
+            mem[m]["fw_rss"], mem[m]["fw_load_s"] = status_bytes(me, "VmRSS") - before, time.perf_counter() - t0
 
         # Words (and the warm-up): one pass of both over every clip.
         bodies = {m: [upload(m, c, SPEECH_MODELS[m][3]) for c in clips] for m in args.models}
@@ -434,7 +434,7 @@ def main(argv=None):
         for m in args.models:
             info = admin_model(client, m)
             mem[m]["peak"] = info["footprint_peak_measured_bytes"]
-        rss_warm = status_kib(proc.pid, "VmRSS")
+        rss_warm = status_bytes(proc.pid, "VmRSS")
 
         # Timed rounds, interleaved clip by clip; the 8-client burst after each model's clips.
         times = {(s, m): [[] for _ in clips] for s in ("snooze", "fw") for m in args.models}
