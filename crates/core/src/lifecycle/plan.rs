@@ -27,8 +27,9 @@ const PROMOTE_AFTER_BATCHES: u32 = 8;
 /// The shortest wait before a swap is due, however cheap the swap.
 const MIN_SWAP_DELAY: std::time::Duration = std::time::Duration::from_millis(10);
 
-/// Only models that loaded at least this fast are preloaded.
-const PRELOAD_MAX_LOAD_TIME: std::time::Duration = std::time::Duration::from_millis(100);
+/// A reload that took at most this long last time is quick: only such models are
+/// preloaded, and they may load beside a slow load or a promotion (see `plan_device`).
+pub(super) const QUICK_LOAD: std::time::Duration = std::time::Duration::from_millis(100);
 
 pub(super) enum Plan {
     Load,
@@ -118,18 +119,44 @@ impl Scheduler {
     }
 
     /// Returns true if a model moved to another device.
+    ///
+    /// Loads on a device run one at a time, with one exception: a slow load (or a
+    /// promotion) does not hold the device for a quick reload. A 7 ms model asked for
+    /// while Whisper loads for a second would otherwise wait that second for its turn —
+    /// the head-of-line blocking of the mix. Beside a slow load, only a model that
+    /// reloaded within `QUICK_LOAD` and whose footprint is known loads, or evicts to load;
+    /// anything else it would have to wait for waits for the slow load to end.
     fn plan_device(&mut self, now: Instant, device: &Device) -> bool {
         loop {
-            if self.slots.iter().any(|s| s.busy_on(device)) {
+            let busy: Vec<bool> = self
+                .slots
+                .iter()
+                .filter(|s| s.busy_on(device))
+                .map(|s| match s.state {
+                    SlotState::Unloading { .. } => true,
+                    SlotState::Loading { .. } => s.quick_reload(),
+                    _ => false, // a promotion
+                })
+                .collect();
+            if busy.iter().any(|holds_all| *holds_all) {
                 return false;
             }
-            let Some(model) = self.next_to_load(device) else {
-                if !self.promote(device, now) {
+            let beside_slow = !busy.is_empty();
+            let next = match beside_slow {
+                true => self.next_quick_to_load(device),
+                false => self.next_to_load(device),
+            };
+            let Some(model) = next else {
+                if !beside_slow && !self.promote(device, now) {
                     self.preload(device);
                 }
                 return false;
             };
-            match self.plan(model, device, now) {
+            let plan = self.plan(model, device, now);
+            if beside_slow && !matches!(plan, Plan::Load | Plan::Evict(_)) {
+                return false;
+            }
+            match plan {
                 Plan::Load => {
                     let reserved = self.slots[model].admission_bytes().unwrap_or(0);
                     self.slots[model].state = SlotState::Loading { device: device.clone(), reserved };
@@ -224,7 +251,7 @@ impl Scheduler {
             .enumerate()
             .filter(|(id, s)| matches!(s.state, SlotState::Unloaded) && self.unreadable[*id].is_none())
             .filter(|(_, s)| s.evicted_at.is_some() && s.policy.devices.first() == Some(device))
-            .filter(|(_, s)| s.last_load.is_some_and(|t| t <= PRELOAD_MAX_LOAD_TIME))
+            .filter(|(_, s)| s.last_load.is_some_and(|t| t <= QUICK_LOAD))
             .filter(|(_, s)| {
                 let recent = match s.policy.keep_alive {
                     crate::units::KeepAlive::For(d) => d,
@@ -271,11 +298,18 @@ impl Scheduler {
 
     /// The waiting model that loads next on `device`: highest priority, then longest waiting.
     fn next_to_load(&self, device: &Device) -> Option<ModelId> {
+        self.next_to_load_by(device, |_| true)
+    }
+
+    fn next_to_load_by(&self, device: &Device, which: impl Fn(&super::ModelSlot) -> bool) -> Option<ModelId> {
         self.slots
             .iter()
             .enumerate()
             .filter(|(_, s)| {
-                matches!(s.state, SlotState::Unloaded) && s.wants_load() && s.device() == Some(device)
+                matches!(s.state, SlotState::Unloaded)
+                    && s.wants_load()
+                    && s.device() == Some(device)
+                    && which(s)
             })
             .max_by_key(|(_, s)| {
                 let loads = (!s.load_waiters.is_empty()).then_some(super::Priority::Normal);
@@ -283,6 +317,11 @@ impl Scheduler {
                 (top, std::cmp::Reverse(self.waiting_since(s)))
             })
             .map(|(id, _)| id)
+    }
+
+    /// [`Scheduler::next_to_load`] among quick reloads: what may load beside a slow load.
+    fn next_quick_to_load(&self, device: &Device) -> Option<ModelId> {
+        self.next_to_load_by(device, |s| s.quick_reload())
     }
 
     fn waiting_since(&self, s: &super::ModelSlot) -> Option<Instant> {
@@ -439,10 +478,11 @@ impl Scheduler {
     /// loses its worth, and among models of equal cost and size the least recently used
     /// goes first.
     ///
-    /// `behind`: the load the room is made for, as long as it took last time. Loads run
-    /// one at a time, so a model asked for more often than that load takes would be
-    /// asked for again while it runs, and its reload would wait for it: for that load,
-    /// a 7 ms reload of a model asked for ten times a second costs Whisper's ~850 ms.
+    /// `behind`: the load the room is made for, as long as it took last time. A model
+    /// asked for more often than that load takes would be asked for again while it runs:
+    /// evicting it buys a reload and another eviction in the middle of that load (and,
+    /// should its reload not be quick, a wait for the whole load). For that load, a 7 ms
+    /// reload of a model asked for ten times a second is priced at Whisper's ~850 ms.
     pub(super) fn keep_value(&self, id: ModelId, now: Instant, behind: Duration) -> f64 {
         let s = &self.slots[id];
         let SlotState::Ready { last_used, .. } = s.state else { return 0.0 };

@@ -294,6 +294,12 @@ impl ModelSlot {
         self.reserved.iter().map(|r| r.bytes).sum()
     }
 
+    /// Its last load took at most `QUICK_LOAD` and its footprint is known: it may load
+    /// beside a slow load.
+    pub(super) fn quick_reload(&self) -> bool {
+        self.last_load.is_some_and(|t| t <= super::plan::QUICK_LOAD) && self.admission_bytes().is_some()
+    }
+
     /// Loading or unloading on `device`: the device is not quiet.
     pub(super) fn busy_on(&self, on: &Device) -> bool {
         match &self.state {

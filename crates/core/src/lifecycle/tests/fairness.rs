@@ -154,3 +154,83 @@ fn slices_of_long_work_take_turns_while_short_requests_run_beside_them() {
     let (_, b) = submit_slice(&mut h, "ocr");
     assert_eq!([dispatched(&h, &a), dispatched(&h, &b)].concat(), ["speech", "ocr"]);
 }
+
+/// The models `actions` start loading, in order.
+fn started_loads(h: &Harness, actions: &[Action]) -> Vec<String> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::StartLoad { model, .. } => Some(h.s.slot(*model).name().to_string()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// "quick" loaded once in 10 ms and was unloaded; "slow" starts loading at t = 1 s and
+/// is left loading. Returns the harness.
+fn slow_load_in_flight(budget_mb: u64, models: &[(&str, u64)]) -> Harness {
+    let mut h = Harness::new(budget_mb, models);
+    h.call("quick").unwrap();
+    let quick = h.id("quick");
+    let a = h.feed(Event::Unload { req: 900, model: quick });
+    h.settle(a);
+    h.at(1.0);
+    let (_, a) = h.submit("slow");
+    assert_eq!(started_loads(&h, &a), ["slow"]);
+    assert_eq!(h.state("slow"), StateName::Loading);
+    h
+}
+
+#[test]
+fn a_quick_reload_does_not_wait_for_a_slow_load() {
+    let mut h = slow_load_in_flight(1000, &[("slow", 300), ("quick", 10)]);
+    h.at(1.1);
+    let (req, a) = h.submit("quick");
+    assert_eq!(started_loads(&h, &a), ["quick"], "a 10 ms reload starts beside the slow load");
+    h.settle(a);
+    assert_eq!(h.outcome(req), Some(Ok(())), "and serves while the slow load goes on");
+    assert_eq!(h.state("slow"), StateName::Loading);
+    let slow = h.id("slow");
+    let took = Duration::from_secs(2);
+    let a = h.feed(Event::LoadFinished { model: slow, result: Ok(LoadMeasurement::default()), took });
+    h.settle(a);
+    assert_eq!(h.state("slow"), StateName::Ready);
+}
+
+#[test]
+fn a_quick_reload_makes_room_beside_a_slow_load() {
+    // 300 MB loading + 600 MB idle + 200 MB over a 1000 MB budget: the idle one goes.
+    let mut h = Harness::new(1000, &[("slow", 300), ("quick", 200), ("idle", 600)]);
+    h.call("quick").unwrap();
+    let quick = h.id("quick");
+    let a = h.feed(Event::Unload { req: 900, model: quick });
+    h.settle(a);
+    h.at(1.0);
+    h.call("idle").unwrap();
+    h.at(5.0);
+    let (_, a) = h.submit("slow");
+    assert_eq!(started_loads(&h, &a), ["slow"]);
+    h.at(5.1);
+    let (req, a) = h.submit("quick");
+    let a = h.settle(a);
+    assert_eq!(h.evictions(), ["idle"]);
+    assert_eq!(started_loads(&h, &a), ["quick"]);
+    assert_eq!(h.outcome(req), Some(Ok(())));
+    assert_eq!(h.state("slow"), StateName::Loading, "still loading: it was never in the way");
+    assert!(h.s.accounted(&Device::Cpu) <= 1000 * MB);
+}
+
+#[test]
+fn beside_a_slow_load_first_loads_and_slow_ones_wait() {
+    let mut h = slow_load_in_flight(1000, &[("slow", 300), ("quick", 10), ("new", 10), ("slow2", 300)]);
+    h.at(1.1);
+    let (_, a) = h.submit("new");
+    assert!(started_loads(&h, &a).is_empty(), "never loaded: how long it takes is not known");
+    h.at(1.2);
+    let (_, a) = h.submit("slow2");
+    assert!(started_loads(&h, &a).is_empty(), "loads run one at a time");
+    let slow = h.id("slow");
+    let took = Duration::from_secs(2);
+    let a = h.feed(Event::LoadFinished { model: slow, result: Ok(LoadMeasurement::default()), took });
+    assert_eq!(started_loads(&h, &a), ["new"], "the one waiting longest, once the slow load ended");
+}
