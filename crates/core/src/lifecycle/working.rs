@@ -102,14 +102,18 @@ impl Scheduler {
     /// idle models would free waits while another model's working set is in use: the
     /// two run one after the other (as they would share the cores anyway) rather than
     /// side by side at the cost of every idle model. With no other working set in use
-    /// it runs; `hold_budgets` then evicts what idle models it must. The working set is
-    /// the one expected of the request at the head of its queue.
+    /// it runs; `hold_budgets` then evicts what idle models it must. Nor does a working
+    /// set within the headroom wait — the slack the budget keeps for what it does not
+    /// account: a classifier's few megabytes would otherwise wait out a whole
+    /// transcription whenever the jobs in flight hold the budget, and every light model
+    /// with them (the mix's seconds-long stalls of every light task at once). The
+    /// working set is the one expected of the request at the head of its queue.
     pub(super) fn waits_for_memory(&self, model: ModelId) -> bool {
         let s = &self.slots[model];
         let Some(device) = s.device() else { return false };
         let Some(head) = s.queue.head() else { return false };
         let working = s.reservation([head.size]);
-        if s.running > 0 || working == 0 {
+        if s.running > 0 || working <= self.config.headroom {
             return false;
         }
         let others_working =

@@ -299,3 +299,30 @@ fn only_runs_of_one_kind_of_work_that_said_its_size_teach_a_rate() {
     let req = submit_sized(&mut fixed, "fixed", 0, 10);
     assert_eq!(fixed.s.learn_sized(id, 50 * MB, &[req]), None, "the config's word stands");
 }
+
+#[test]
+fn a_working_set_within_the_headroom_does_not_wait_for_a_long_job() {
+    // "job" runs with 650 MB of work: 950 of 1000 MB stay in use while it runs. "light"
+    // runs with 20 MB, within the 64 MB of headroom: it runs beside the job at once.
+    // "big" needs 100 MB: it waits for the job, as before.
+    let mut h = Harness::new(1000, &[("job", 300), ("light", 10), ("big", 10)]);
+    h.s.config.headroom = 64 * MB;
+    h.call_a_second_apart(&["light", "big", "job"]);
+    let (job, light, big) = (h.id("job"), h.id("light"), h.id("big"));
+    h.s.learn_transient(job, 650 * MB);
+    h.s.learn_transient(light, 20 * MB);
+    h.s.learn_transient(big, 100 * MB);
+    h.at(5.0);
+    let running = h.use_model("job").unwrap();
+    h.at(5.1);
+    let (quick, a) = h.submit("light");
+    h.settle(a);
+    assert_eq!(h.outcome(quick), Some(Ok(())), "20 MB fits the headroom: no wait for the job");
+    let (large, a) = h.submit("big");
+    h.settle(a);
+    assert_eq!(h.outcome(large), None, "100 MB waits for the job's run to end");
+    h.finish(quick);
+    h.at(6.0);
+    h.finish(running);
+    assert_eq!(h.outcome(large), Some(Ok(())));
+}
