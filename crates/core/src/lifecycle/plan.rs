@@ -128,25 +128,11 @@ impl Scheduler {
     /// anything else it would have to wait for waits for the slow load to end.
     fn plan_device(&mut self, now: Instant, device: &Device) -> bool {
         loop {
-            let busy: Vec<bool> = self
-                .slots
-                .iter()
-                .filter(|s| s.busy_on(device))
-                .map(|s| match s.state {
-                    SlotState::Unloading { .. } => true,
-                    SlotState::Loading { .. } => s.quick_reload(),
-                    _ => false, // a promotion
-                })
-                .collect();
-            if busy.iter().any(|holds_all| *holds_all) {
+            if self.slots.iter().any(|s| s.busy_on(device) && s.holds_every_load()) {
                 return false;
             }
-            let beside_slow = !busy.is_empty();
-            let next = match beside_slow {
-                true => self.next_quick_to_load(device),
-                false => self.next_to_load(device),
-            };
-            let Some(model) = next else {
+            let beside_slow = self.slots.iter().any(|s| s.busy_on(device));
+            let Some(model) = self.next_to_load(device, |s| !beside_slow || s.quick_reload()) else {
                 if !beside_slow && !self.promote(device, now) {
                     self.preload(device);
                 }
@@ -296,12 +282,9 @@ impl Scheduler {
         }
     }
 
-    /// The waiting model that loads next on `device`: highest priority, then longest waiting.
-    fn next_to_load(&self, device: &Device) -> Option<ModelId> {
-        self.next_to_load_by(device, |_| true)
-    }
-
-    fn next_to_load_by(&self, device: &Device, which: impl Fn(&super::ModelSlot) -> bool) -> Option<ModelId> {
+    /// The waiting model among `which` that loads next on `device`: highest priority,
+    /// then longest waiting.
+    fn next_to_load(&self, device: &Device, which: impl Fn(&super::ModelSlot) -> bool) -> Option<ModelId> {
         self.slots
             .iter()
             .enumerate()
@@ -317,11 +300,6 @@ impl Scheduler {
                 (top, std::cmp::Reverse(self.waiting_since(s)))
             })
             .map(|(id, _)| id)
-    }
-
-    /// [`Scheduler::next_to_load`] among quick reloads: what may load beside a slow load.
-    fn next_quick_to_load(&self, device: &Device) -> Option<ModelId> {
-        self.next_to_load_by(device, |s| s.quick_reload())
     }
 
     fn waiting_since(&self, s: &super::ModelSlot) -> Option<Instant> {

@@ -300,6 +300,16 @@ impl ModelSlot {
         self.last_load.is_some_and(|t| t <= super::plan::QUICK_LOAD) && self.admission_bytes().is_some()
     }
 
+    /// Busy in a way that holds its device for every load: unloading, or loading
+    /// quickly. A slow load or a promotion holds it for slow loads only.
+    pub(super) fn holds_every_load(&self) -> bool {
+        match self.state {
+            SlotState::Unloading { .. } => true,
+            SlotState::Loading { .. } => self.quick_reload(),
+            _ => false,
+        }
+    }
+
     /// Loading or unloading on `device`: the device is not quiet.
     pub(super) fn busy_on(&self, on: &Device) -> bool {
         match &self.state {

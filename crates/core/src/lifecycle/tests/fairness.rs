@@ -26,15 +26,17 @@ fn slice_ends(h: &mut Harness, req: RequestId) -> Vec<Action> {
     h.settle(a)
 }
 
+/// The names of the models `pick` finds in `actions`, in order.
+fn named(h: &Harness, actions: &[Action], pick: impl Fn(&Action) -> Option<ModelId>) -> Vec<String> {
+    actions.iter().filter_map(pick).map(|m| h.s.slot(m).name().to_string()).collect()
+}
+
 /// The models of the batches `actions` dispatched, in order.
 fn dispatched(h: &Harness, actions: &[Action]) -> Vec<String> {
-    actions
-        .iter()
-        .filter_map(|a| match a {
-            Action::Dispatch { model, .. } => Some(h.s.slot(*model).name().to_string()),
-            _ => None,
-        })
-        .collect()
+    named(h, actions, |a| match a {
+        Action::Dispatch { model, .. } => Some(*model),
+        _ => None,
+    })
 }
 
 #[test]
@@ -157,13 +159,10 @@ fn slices_of_long_work_take_turns_while_short_requests_run_beside_them() {
 
 /// The models `actions` start loading, in order.
 fn started_loads(h: &Harness, actions: &[Action]) -> Vec<String> {
-    actions
-        .iter()
-        .filter_map(|a| match a {
-            Action::StartLoad { model, .. } => Some(h.s.slot(*model).name().to_string()),
-            _ => None,
-        })
-        .collect()
+    named(h, actions, |a| match a {
+        Action::StartLoad { model, .. } => Some(*model),
+        _ => None,
+    })
 }
 
 /// "quick" loaded once in 10 ms and was unloaded; "slow" starts loading at t = 1 s and
