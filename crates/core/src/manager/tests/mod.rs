@@ -399,6 +399,11 @@ async fn shutdown_waits_for_runs_then_unloads() {
 async fn inference_oom_evicts_idle_then_splits_the_batch_then_refuses() {
     let s = setup(&["a", "b"], KeepAlive::Forever);
     s.m.infer("b", None, rows(1, 0.0), vec![]).await.unwrap();
+    // The answer leaves from inside the run: b is idle only once its end reached the actor
+    // (on a loaded machine its thread can be descheduled between the two).
+    while s.m.status().await[1].leases > 0 {
+        tokio::task::yield_now().await;
+    }
     // A batch of 4 fails, halves of 2 pass: b (idle) is evicted on the way.
     s.backend.max_batch.store(2, Ordering::SeqCst);
     let out = s.m.infer("a", None, rows(4, 0.0), vec![]).await.unwrap();
