@@ -43,12 +43,16 @@ fn every_profile_gives_the_same_outputs() {
         inputs().iter().map(|i| floats(&m.infer(i, &[]).unwrap())).collect::<Vec<_>>()
     };
     let prepacked = run(Weights::Prepacked);
-    // Not converted yet: the lean profiles serve from the .onnx, as prepacked does.
-    assert_eq!(run(Weights::Mapped), prepacked, "an unconverted mapped load is the .onnx's");
+    // Not converted yet: the lean profiles serve from the .onnx, without prepacking.
+    let unconverted = run(Weights::Mapped);
     b.prepare(&spec("mlp-100m-1", Weights::Mapped)).unwrap();
     let compact = run(Weights::Compact);
     let mapped = run(Weights::Mapped);
     assert_eq!(compact, mapped, "the same kernels over the same bytes: bit for bit");
+    // The .onnx loaded as its copy runs (no prepacked GEMM): the copy's outputs, bit for bit,
+    // not the prepacked ones (checked just below to differ, or this would prove nothing).
+    assert_eq!(unconverted, mapped, "an unconverted mapped load runs as its converted copy does");
+    assert_ne!(unconverted, prepacked, "prepacking changes the summation order on this model");
     // Other kernels (packed GEMM), other summation order: within 1e-5 of the output's scale.
     for (p, c) in prepacked.iter().zip(&compact) {
         let (scale, worst) = (max_abs(p), max_abs_diff(p, c));
