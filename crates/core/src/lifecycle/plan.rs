@@ -237,7 +237,7 @@ impl Scheduler {
             .enumerate()
             .filter(|(id, s)| matches!(s.state, SlotState::Unloaded) && self.unreadable[*id].is_none())
             .filter(|(_, s)| s.evicted_at.is_some() && s.policy.devices.first() == Some(device))
-            .filter(|(_, s)| s.last_load.is_some_and(|t| t <= QUICK_LOAD))
+            .filter(|(_, s)| s.quick_reload())
             .filter(|(_, s)| {
                 let recent = match s.policy.keep_alive {
                     crate::units::KeepAlive::For(d) => d,
