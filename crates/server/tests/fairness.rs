@@ -36,9 +36,14 @@ fn config() -> String {
     )
 }
 
+/// The fixture PDF: one page of text.
+fn one_page_pdf() -> Vec<u8> {
+    std::fs::read(repo_root().join("tests/fixtures/ocr_pages/text.pdf")).unwrap()
+}
+
 /// Ten copies of the fixture PDF's one page, as one document.
 fn long_pdf() -> Vec<u8> {
-    let page = std::fs::read(repo_root().join("tests/fixtures/ocr_pages/text.pdf")).unwrap();
+    let page = one_page_pdf();
     let text = String::from_utf8_lossy(&page);
     let content = text
         .split("stream\n")
@@ -65,8 +70,7 @@ fn a_one_millisecond_model_is_served_while_a_transcription_and_a_long_document_r
     let (status, _, _) = server.post("/v2/models/mlp-10m/infer", &body);
     assert_eq!(status, 200);
     assert_eq!(transcribe(&server.base, "whisper-tiny-en", &clip.bytes(), &[]).status, 200);
-    let page = std::fs::read(repo_root().join("tests/fixtures/ocr_pages/text.pdf")).unwrap();
-    assert_eq!(ocr(&server, &page).0, 200);
+    assert_eq!(ocr(&server, &one_page_pdf()).0, 200);
     let pdf = long_pdf();
 
     let long_running = AtomicBool::new(true);
