@@ -20,7 +20,6 @@ use std::{
 
 use audio::*;
 use common::*;
-use serde_json::Value;
 
 fn config() -> String {
     let dir = models_dir();
@@ -70,7 +69,7 @@ fn a_one_millisecond_model_is_served_while_a_transcription_and_a_long_document_r
     let (status, _, _) = server.post("/v2/models/mlp-10m/infer", &body);
     assert_eq!(status, 200);
     assert_eq!(transcribe(&server.base, "whisper-tiny-en", &clip.bytes(), &[]).status, 200);
-    assert_eq!(ocr(&server, &one_page_pdf()).0, 200);
+    assert_eq!(post_ocr(&server.base, &one_page_pdf(), "page.pdf", &[]).0, 200);
     let pdf = long_pdf();
 
     let long_running = AtomicBool::new(true);
@@ -82,7 +81,7 @@ fn a_one_millisecond_model_is_served_while_a_transcription_and_a_long_document_r
         });
         let ocr = s.spawn(|| {
             let started = Instant::now();
-            let (status, body) = ocr(&server, &pdf);
+            let (status, body) = post_ocr(&server.base, &pdf, "long.pdf", &[]);
             (status, body, started.elapsed())
         });
         let short = s.spawn(|| {
@@ -132,17 +131,4 @@ fn a_one_millisecond_model_is_served_while_a_transcription_and_a_long_document_r
              {ocr_took:?} (OCR): it waited behind them"
         );
     }
-}
-
-/// POSTs one document to `/v1/ocr` as a multipart upload: the status and the JSON answer.
-fn ocr(server: &Server, document: &[u8]) -> (u16, Value) {
-    let form = form(&[], Some(("document.pdf", document)));
-    let resp = client()
-        .post(server.url("/v1/ocr"))
-        .header("content-type", form.content_type)
-        .body(form.body)
-        .send()
-        .expect("POST /v1/ocr");
-    let status = resp.status().as_u16();
-    (status, resp.json().unwrap_or(Value::Null))
 }

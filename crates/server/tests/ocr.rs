@@ -41,15 +41,7 @@ fn fixtures() -> PathBuf {
 
 /// POSTs `bytes` as the multipart `file` with `fields`; status and JSON body.
 fn ocr(server: &Server, bytes: Vec<u8>, name: &str, fields: &[(&str, &str)]) -> (u16, Value) {
-    let form = audio::form(fields, Some((name, &bytes)));
-    let resp = client()
-        .post(server.url("/v1/ocr"))
-        .header("content-type", form.content_type)
-        .body(form.body)
-        .send()
-        .expect("POST /v1/ocr");
-    let status = resp.status().as_u16();
-    (status, resp.json().unwrap_or(Value::Null))
+    audio::post_ocr(&server.base, &bytes, name, fields)
 }
 
 fn lines(page: &Value) -> Vec<String> {

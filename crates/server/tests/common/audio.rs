@@ -282,6 +282,13 @@ pub fn transcribe(base: &str, model: &str, audio: &[u8], fields: &[(&str, &str)]
     post_form(base, "/v1/audio/transcriptions", &form(&all, Some(("audio", audio))), None)
 }
 
+/// POSTs `document` to `/v1/ocr` as the multipart `file` named `name`, with `fields`:
+/// the status and the JSON answer (`null` if it is not JSON).
+pub fn post_ocr(base: &str, document: &[u8], name: &str, fields: &[(&str, &str)]) -> (u16, Value) {
+    let answer = post_form(base, "/v1/ocr", &form(fields, Some((name, document))), None);
+    (answer.status, serde_json::from_str(&answer.body).unwrap_or(Value::Null))
+}
+
 /// A KServe v2 request for `model` with the BYTES input `audio` holding `files`, in the
 /// binary extension (audio is not UTF-8, so it cannot travel as JSON strings); the
 /// `text` output asked for in binary when `binary_output`. Returns the status and the
