@@ -300,6 +300,11 @@ impl ModelSlot {
         self.last_load.is_some_and(|t| t <= super::plan::QUICK_LOAD) && self.admission_bytes().is_some()
     }
 
+    /// Its last load took longer than `QUICK_LOAD`.
+    pub(super) fn slow_reload(&self) -> bool {
+        self.last_load.is_some_and(|t| t > super::plan::QUICK_LOAD)
+    }
+
     /// Busy in a way that holds its device for every load: unloading, or loading
     /// quickly. A slow load or a promotion holds it for slow loads only.
     pub(super) fn holds_every_load(&self) -> bool {

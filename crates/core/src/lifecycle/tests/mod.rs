@@ -24,6 +24,8 @@ pub(crate) struct Harness {
     next_req: RequestId,
     /// Every action seen, in order.
     pub log: Vec<Action>,
+    /// What each load `settle` completes took (10 ms: quick).
+    pub load_time: Duration,
 }
 
 pub(crate) fn config(budget_mb: u64) -> SchedulerConfig {
@@ -50,7 +52,7 @@ impl Harness {
             s.register(p);
         }
         let t0 = Instant::now();
-        Harness { s, t0, now: t0, next_req: 1, log: Vec::new() }
+        Harness { s, t0, now: t0, next_req: 1, log: Vec::new(), load_time: Duration::from_millis(10) }
     }
 
     pub fn id(&self, name: &str) -> ModelId {
@@ -111,7 +113,7 @@ impl Harness {
     /// Completes every load / unload in `actions` (and what follows), successfully.
     /// Runs are left running.
     pub fn settle(&mut self, actions: Vec<Action>) -> Vec<Action> {
-        self.settle_loading_in(actions, Duration::from_millis(10))
+        self.settle_loading_in(actions, self.load_time)
     }
 
     /// [`Harness::settle`], every load taking `took`.

@@ -13,6 +13,11 @@ fn prepare(h: &mut Harness, name: &str, peak_mb: u64) {
     );
 }
 
+/// Unloads every idle model (as a memory-pressure collection does).
+fn gc(h: &mut Harness) -> Vec<Action> {
+    h.feed(Event::Collect { req: 99, except: None, include_pinned: false, reason: UnloadReason::Pressure })
+}
+
 fn prepares(actions: &[Action]) -> Vec<ModelId> {
     actions
         .iter()
@@ -76,12 +81,7 @@ fn a_conversion_waits_for_room_rather_than_evicting_for_it() {
     assert!(prepares(&a).is_empty(), "700 MB free: no room, and nothing is evicted for it");
     assert!(h.evictions().is_empty());
     // Once `a` leaves on its own (gc), the conversion fits and runs.
-    let a = h.feed(Event::Collect {
-        req: 99,
-        except: None,
-        include_pinned: false,
-        reason: UnloadReason::Pressure,
-    });
+    let a = gc(&mut h);
     let a = h.settle(a);
     assert_eq!(prepares(&a), [h.id("b")]);
 }
@@ -133,6 +133,7 @@ fn a_model_that_churns_is_prepared_while_the_host_is_busy() {
     // never quiet. A model swapped back in (loaded twice without its copy) gets its copy
     // made anyway; one loaded once still waits for a quiet moment.
     let mut h = Harness::new(400, &[("a", 300), ("b", 300)]);
+    h.load_time = std::time::Duration::from_millis(300);
     h.call("a").unwrap();
     h.call("b").unwrap();
     let running = h.use_model("a").unwrap();
@@ -148,10 +149,11 @@ fn a_model_that_churns_is_prepared_while_the_host_is_busy() {
     h.finish(running);
 }
 
-/// Room for one model; `a` and `b` have each been loaded twice (they take turns), `b` is
-/// resident and idle.
+/// Room for one model; `a` and `b` have each been loaded twice (they take turns, each load
+/// slow), `b` is resident and idle.
 fn two_churning_models() -> Harness {
     let mut h = Harness::new(300, &[("a", 200), ("b", 200)]);
+    h.load_time = std::time::Duration::from_millis(300);
     for name in ["a", "b", "a", "b"] {
         h.call(name).unwrap();
     }
@@ -208,4 +210,32 @@ fn a_copy_that_cannot_fit_even_with_every_idle_model_gone_evicts_nobody() {
     assert!(prepares(&a).is_empty());
     assert_eq!(h.evictions().len(), before, "nothing evicted for a copy that cannot be made");
     h.call("a").expect("served from its .onnx");
+}
+
+#[test]
+fn a_churning_model_that_reloads_quickly_gets_its_copy_only_on_a_quiet_host() {
+    // As `two_churning_models`, but each load takes 5 ms (a mapped copy): making the copy
+    // now would hold 250 of the 300 MB, so no model could load until it is made, for a
+    // gain of milliseconds a swap.
+    let mut h = Harness::new(300, &[("a", 200), ("b", 200)]);
+    h.load_time = std::time::Duration::from_millis(5);
+    for name in ["a", "b", "a", "b"] {
+        h.call(name).unwrap();
+    }
+    prepare(&mut h, "a", 250);
+    let running = h.use_model("b").unwrap();
+    let (req, a) = h.submit("a");
+    let a = h.settle(a);
+    assert!(prepares(&a).is_empty() && prepares(&h.tick()).is_empty(), "busy: a's copy waits");
+    let a = h.finish(running);
+    assert!(prepares(&a).is_empty(), "b's run ended: a loads, its copy is not made in front of it");
+    assert_eq!(h.outcome(req), Some(Ok(())));
+    h.finish(req);
+    assert!(prepares(&h.log).is_empty());
+    // Slow loads (the same models from their .onnx) do get the copy made under traffic:
+    // `a_churning_model_s_copy_that_does_not_fit_evicts_idle_models_for_it`. Here, once
+    // the host is quiet and the copy fits, it is made.
+    let a = gc(&mut h);
+    let a = h.settle(a);
+    assert_eq!(prepares(&a), [h.id("a")], "quiet and room: made");
 }
