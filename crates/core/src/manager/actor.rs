@@ -228,8 +228,18 @@ impl Actor {
                 return actions;
             }
             Command::UnloadDone { model } => {
-                self.refresh_probe();
-                Event::UnloadFinished { model }
+                // Under critical pressure a load must pay for itself with evictions; once an
+                // emergency has unloaded every idle model nothing is left to evict, so the
+                // level the unloads may have ended is read now, not at the next reading
+                // (the mix benchmark's light tasks all stalled for those 5 s).
+                let mut actions = if self.scheduler.pressure() >= PressureLevel::Critical {
+                    self.check_pressure()
+                } else {
+                    self.refresh_probe();
+                    Vec::new()
+                };
+                actions.extend(self.scheduler.handle(now(), Event::UnloadFinished { model }));
+                return actions;
             }
             Command::PromoteDone { model, result } => {
                 let name = self.scheduler.slot(model).policy.name.clone();

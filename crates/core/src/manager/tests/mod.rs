@@ -59,6 +59,8 @@ impl Gate {
 
 struct FakeBackend {
     free: Arc<AtomicU64>,
+    /// The process's RSS: a dropped model gives its bytes back (loads leave it as set).
+    process: Arc<AtomicU64>,
     loads: AtomicUsize,
     fail: Mutex<Option<LoadError>>,
     /// Inference runs out of memory on batches larger than this.
@@ -70,6 +72,7 @@ struct FakeBackend {
 
 struct FakeModel {
     free: Arc<AtomicU64>,
+    process: Arc<AtomicU64>,
     bytes: u64,
     sig: ModelSignature,
     max_batch: Arc<AtomicU64>,
@@ -80,6 +83,9 @@ struct FakeModel {
 impl Drop for FakeModel {
     fn drop(&mut self) {
         self.free.fetch_add(self.bytes, Ordering::SeqCst);
+        let _ = self
+            .process
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |p| Some(p.saturating_sub(self.bytes)));
     }
 }
 
@@ -141,6 +147,7 @@ impl Backend for FakeBackend {
         self.free.fetch_sub(bytes, Ordering::SeqCst);
         Ok(Arc::new(FakeModel {
             free: self.free.clone(),
+            process: self.process.clone(),
             bytes,
             sig: batch_signature(),
             max_batch: self.max_batch.clone(),
@@ -177,6 +184,7 @@ fn setup_full(
     gate.set(true);
     let backend = Arc::new(FakeBackend {
         free: free.clone(),
+        process: process.clone(),
         loads: AtomicUsize::new(0),
         fail: Mutex::new(None),
         max_batch: Arc::new(AtomicU64::new(u64::MAX)),
@@ -438,6 +446,27 @@ async fn low_priority_is_refused_under_critical_pressure_by_the_scheduler() {
     let e = s.m.infer("a", Some(Priority::Low), rows(1, 0.0), vec![]).await.unwrap_err();
     assert_eq!(e.kind, ErrorKind::InsufficientMemory);
     assert!(e.message.contains("low-priority"), "{}", e.message);
+}
+
+#[tokio::test(start_paused = true)]
+async fn loads_resume_as_soon_as_an_emergency_s_unloads_end_it() {
+    // Under critical pressure a load must pay for itself with evictions; after an
+    // emergency unloaded every idle model there is nothing left to evict, so until the
+    // level is read again no model can load. Measured in the mix benchmark: every light
+    // task stalled for the 5 s between two readings.
+    let s = setup(&["a", "b"], KeepAlive::Forever);
+    s.m.infer("a", None, rows(1, 0.0), vec![]).await.unwrap();
+    s.m.infer("b", None, rows(1, 0.0), vec![]).await.unwrap();
+    s.process.store(1050 * MB, Ordering::SeqCst); // 105% of the 1000 MiB budget
+    tokio::time::sleep(Duration::from_secs(6)).await; // a reading: emergency
+    until(&s.m, "a", StateName::Unloaded).await;
+    until(&s.m, "b", StateName::Unloaded).await;
+    // The two drops gave 200 MB back: 85%, read as the unloads ended (the clock is paused
+    // between readings: the next one is 4 s away).
+    assert!(s.m.pressure_level() < PressureLevel::Critical, "{:?}", s.m.pressure_level());
+    let asked = tokio::time::Instant::now();
+    s.m.infer("a", None, rows(1, 0.0), vec![]).await.unwrap();
+    assert!(asked.elapsed() < Duration::from_secs(1), "loaded after {:?}", asked.elapsed());
 }
 
 #[tokio::test]
