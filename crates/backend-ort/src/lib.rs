@@ -27,6 +27,7 @@ mod convert;
 pub mod embed;
 pub mod errors;
 pub mod estimate;
+mod external;
 mod model;
 mod onnx_file;
 mod proto;
@@ -124,6 +125,13 @@ impl OrtBackend {
         self
     }
 
+    /// Whether `file` has or can have a mapped copy (a cache directory and inline weights).
+    fn mappable(&self, file: &Path) -> bool {
+        self.cache_dir.as_deref().is_some_and(|dir| {
+            weights::cached_mapped_copy(file, dir, &self.library).is_some() || external::possible(file)
+        })
+    }
+
     /// The ORT-format copy of `file`, if it was made.
     fn cached_ort_format(&self, file: &Path) -> Option<PathBuf> {
         weights::cached_ort_file(file, self.cache_dir.as_deref()?, &self.library)
@@ -142,8 +150,30 @@ impl OrtBackend {
         })
     }
 
-    /// Creates `n` sessions for `file` held as `weights`.
-    fn sessions(&self, spec: &LoadSpec, file: &Path) -> Result<(Vec<Runner>, Option<ModelBytes>), LoadError> {
+    /// What an unconverted `compact` or `mapped` model loads: its mapped copy, made now if
+    /// need be, with the bytes of its data file; else the `.onnx`.
+    fn interim_source(&self, name: &str, file: &Path) -> (PathBuf, u64) {
+        let Some(dir) = self.cache_dir.as_deref() else { return (file.to_path_buf(), 0) };
+        match weights::mapped_copy(file, dir, &self.library) {
+            Ok(Some(copy)) => {
+                let data = copy.with_file_name(external::DATA_FILE);
+                (copy, std::fs::metadata(data).map_or(0, |m| m.len()))
+            }
+            Ok(None) => (file.to_path_buf(), 0),
+            Err(e) => {
+                tracing::warn!(model = %name, error = %e, "loading the .onnx: no mapped copy");
+                (file.to_path_buf(), 0)
+            }
+        }
+    }
+
+    /// Creates `n` sessions for `file` held as `weights`; with them, what in-place sessions
+    /// borrow and the bytes of data files the runtime maps.
+    fn sessions(
+        &self,
+        spec: &LoadSpec,
+        file: &Path,
+    ) -> Result<(Vec<Runner>, Option<ModelBytes>, u64), LoadError> {
         let failed = |e: &str| errors::load_error(&spec.name, file, e);
         let n = spec.instances.max(1);
         // Threads come from the environment's global pool (see `ThreadPool`).
@@ -172,23 +202,41 @@ impl OrtBackend {
                             .map_err(|e| failed(e.message()))
                     })
                     .collect::<Result<_, _>>()?;
-                Ok((sessions, None))
+                Ok((sessions, None, 0))
             }
             Weights::Compact | Weights::Mapped => {
-                // Not converted yet (a background preparation will): the .onnx, which
-                // needs nothing first. Without prepacking, as the converted form runs:
-                // the load is the part a waiting request sees (measured on the 100 MiB
-                // MLP: 145-171 ms instead of 227-413 ms, the same memory, single runs as
-                // fast), and the copy soon replaces it.
+                // Not converted yet (a background preparation will): the mapped copy,
+                // made now if need be, else the .onnx. Without prepacking, as the
+                // converted form runs: the load is the part a waiting request sees. On
+                // the 100 MiB MLP: the .onnx loads in 145-171 ms with 100 MiB of private
+                // memory (227-413 ms prepacked); the mapped copy is made in ~40 ms and
+                // loads in ~4 ms with none, its weights page cache.
                 let Some(ort_file) = self.cached_ort_format(file) else {
-                    tracing::debug!(model = %spec.name, weights = spec.weights.as_str(), "not converted yet: loading the .onnx");
-                    let session = |_| {
-                        builder(false)?
-                            .commit_from_file(file)
-                            .map(Runner::Own)
-                            .map_err(|e| failed(e.message()))
+                    let (source, mapped) = self.interim_source(&spec.name, file);
+                    tracing::debug!(model = %spec.name, weights = spec.weights.as_str(), source = %source.display(), "not converted yet");
+                    let sessions = |from: &Path| {
+                        (0..n)
+                            .map(|_| {
+                                builder(false)?
+                                    .commit_from_file(from)
+                                    .map(Runner::Own)
+                                    .map_err(|e| failed(e.message()))
+                            })
+                            .collect::<Result<Vec<_>, _>>()
                     };
-                    return Ok(((0..n).map(session).collect::<Result<_, _>>()?, None));
+                    return match sessions(&source) {
+                        Ok(made) => Ok((made, None, mapped)),
+                        // The runtime refused the copy (it takes whatever it takes from
+                        // the .onnx): the .onnx, whose error is the one to report.
+                        Err(e) if source != file => {
+                            tracing::warn!(model = %spec.name, error = %e, "the mapped copy did not load: loading the .onnx; the copy is made again by the next load");
+                            if let Some(dir) = self.cache_dir.as_deref() {
+                                weights::discard_mapped_copy(file, dir, &self.library);
+                            }
+                            Ok((sessions(file)?, None, 0))
+                        }
+                        Err(e) => Err(e),
+                    };
                 };
                 let bytes = if spec.weights == Weights::Mapped {
                     ModelBytes::map(&ort_file)
@@ -216,7 +264,7 @@ impl OrtBackend {
                         b.commit_from_memory(slice).map(Runner::InPlace).map_err(|e| failed(e.message()))
                     })
                     .collect::<Result<_, _>>()?;
-                Ok((sessions, Some(bytes)))
+                Ok((sessions, Some(bytes), 0))
             }
         }
     }
@@ -359,14 +407,20 @@ impl Backend for OrtBackend {
         if task_of(path) == Task::Transcription {
             return whisper::estimate(path, weights);
         }
-        // Until its copy exists, a lean model loads from the .onnx, as `prepacked` does.
+        // Until its copy exists, a lean model loads its mapped copy, about its weights as
+        // the converted one is; or, if it cannot have one, the .onnx, as `prepacked` does.
         let lean = matches!(weights, Weights::Compact | Weights::Mapped);
-        let converted = || resolve_model_file(path).ok().and_then(|f| self.cached_ort_format(&f)).is_some();
-        let form = if lean && !converted() { Weights::Prepacked } else { weights };
+        let file = resolve_model_file(path).ok();
+        let converted = || file.as_deref().and_then(|f| self.cached_ort_format(f)).is_some();
+        let (form, meanwhile) = if !lean || converted() {
+            (weights, None)
+        } else if file.as_deref().is_some_and(|f| self.mappable(f)) {
+            (weights, Some("; not converted yet: loads its mapped copy meanwhile"))
+        } else {
+            (Weights::Prepacked, Some("; not converted yet: loads from the .onnx meanwhile"))
+        };
         let mut e = estimate::estimate(path, form);
-        if form != weights {
-            e.derivation += "; not converted yet: loads from the .onnx meanwhile";
-        }
+        e.derivation += meanwhile.unwrap_or_default();
         if task_of(path) == Task::Embedding {
             estimate::add_embedding(&mut e, path);
         }
@@ -374,7 +428,8 @@ impl Backend for OrtBackend {
     }
 
     /// The ORT-format copy (`compact`, `mapped`) or the prepacked copy (`prepacked`) that
-    /// does not exist yet, as the peak its conversion holds: about 2.7x the model.
+    /// does not exist yet, as the peak its conversion holds: about 1.7x the model from
+    /// its mapped copy, 2.7x from the `.onnx`.
     fn preparation(&self, path: &Path, weights: Weights) -> Option<u64> {
         let dir = self.cache_dir.as_deref()?;
         if task_of(path) == Task::Transcription {
@@ -387,7 +442,7 @@ impl Backend for OrtBackend {
         };
         match made {
             Some(_) => None,
-            None => estimate::conversion_peak(path),
+            None => estimate::conversion_peak(path, self.mappable(&file)),
         }
     }
 
@@ -453,11 +508,19 @@ impl Backend for OrtBackend {
             }
             Task::Tensor | Task::Transcription => None,
         };
-        let (sessions, bytes) = self.sessions(spec, &file)?;
+        let (sessions, bytes, runtime_mapped) = self.sessions(spec, &file)?;
         tracing::debug!(model = %spec.name, file = %file.display(), sessions = sessions.len(), weights = spec.weights.as_str(), "onnx sessions created");
         // SAFETY: `sessions` borrow only from `bytes` (see `sessions`).
-        let model =
-            unsafe { OrtModel::new(spec.name.clone(), signature, sessions, bytes, self.release_activations) };
+        let model = unsafe {
+            OrtModel::new(
+                spec.name.clone(),
+                signature,
+                sessions,
+                bytes,
+                runtime_mapped,
+                self.release_activations,
+            )
+        };
         Ok(match embedding {
             Some((layout, graph, encoder)) => {
                 tracing::info!(pooling = ?layout.pooling, normalize = layout.normalize, max_seq_len = layout.max_seq_len, "sentence embeddings");

@@ -42,11 +42,16 @@ pub(crate) struct OrtModel {
     sessions: Vec<Mutex<Option<Runner>>>,
     /// What `InPlace` sessions use; dropped after them.
     bytes: Option<ModelBytes>,
+    /// Bytes of model files served from a mapping (`bytes`' or one the runtime made).
+    mapped: u64,
     /// Runs shrink the arena when they end (see [`run_options`]).
     release: bool,
 }
 
 impl OrtModel {
+    /// `runtime_mapped`: bytes of data files the runtime maps for the sessions (the
+    /// mapped copy's weights).
+    ///
     /// # Safety
     /// Every `Runner::InPlace` in `sessions` must borrow from `bytes` (and nothing else
     /// with a shorter life): the model keeps `bytes` alive until its sessions are gone.
@@ -55,12 +60,14 @@ impl OrtModel {
         signature: ModelSignature,
         sessions: Vec<Runner>,
         bytes: Option<ModelBytes>,
+        runtime_mapped: u64,
         release: bool,
     ) -> OrtModel {
         OrtModel {
             name,
             signature,
             sessions: sessions.into_iter().map(|s| Mutex::new(Some(s))).collect(),
+            mapped: bytes.as_ref().map_or(0, ModelBytes::mapped_len) + runtime_mapped,
             bytes,
             release,
         }
@@ -156,7 +163,7 @@ impl LoadedModel for OrtModel {
     }
 
     fn mapped_bytes(&self) -> u64 {
-        self.bytes.as_ref().map_or(0, ModelBytes::mapped_len)
+        self.mapped
     }
 
     fn infer(&self, inputs: &[Tensor], outputs: &[String]) -> Result<Vec<Tensor>, InferError> {

@@ -95,6 +95,26 @@ impl<'a> Fields<'a> {
     }
 }
 
+/// Iterates over the fields of one message with each field's encoding (key and payload)
+/// as it stands in the buffer, for a rewriter that copies the fields it does not change.
+pub(crate) struct RawFields<'a>(Fields<'a>);
+
+impl<'a> RawFields<'a> {
+    pub(crate) fn new(buf: &'a [u8]) -> Self {
+        RawFields(Fields::new(buf))
+    }
+}
+
+impl<'a> Iterator for RawFields<'a> {
+    type Item = Result<(u32, Value<'a>, &'a [u8]), String>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let start = self.0.pos;
+        let item = self.0.next()?;
+        Some(item.map(|(field, value)| (field, value, &self.0.buf[start..self.0.pos])))
+    }
+}
+
 impl<'a> Iterator for Fields<'a> {
     type Item = Result<(u32, Value<'a>), String>;
 
@@ -127,18 +147,28 @@ fn put_varint(out: &mut Vec<u8>, mut v: u64) {
 /// Encodes a length-delimited field (sub-message or string).
 pub(crate) fn bytes_field(field: u32, payload: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(payload.len() + 6);
-    put_varint(&mut out, u64::from(field) << 3 | 2);
-    put_varint(&mut out, payload.len() as u64);
-    out.extend_from_slice(payload);
+    put_bytes_field(&mut out, field, payload);
     out
+}
+
+/// Appends a length-delimited field.
+pub(crate) fn put_bytes_field(out: &mut Vec<u8>, field: u32, payload: &[u8]) {
+    put_varint(out, u64::from(field) << 3 | 2);
+    put_varint(out, payload.len() as u64);
+    out.extend_from_slice(payload);
 }
 
 /// Encodes a varint field.
 pub(crate) fn varint_field(field: u32, v: u64) -> Vec<u8> {
     let mut out = Vec::with_capacity(11);
-    put_varint(&mut out, u64::from(field) << 3);
-    put_varint(&mut out, v);
+    put_varint_field(&mut out, field, v);
     out
+}
+
+/// Appends a varint field.
+pub(crate) fn put_varint_field(out: &mut Vec<u8>, field: u32, v: u64) {
+    put_varint(out, u64::from(field) << 3);
+    put_varint(out, v);
 }
 
 #[cfg(test)]
@@ -167,6 +197,15 @@ mod tests {
         let buf = [varint_field(1, 300), bytes_field(300, &[7; 200])].concat();
         let fields = collect(&buf).unwrap();
         assert_eq!(fields, vec![(1, Value::Varint(300)), (300, Value::Bytes(&[7; 200]))]);
+    }
+
+    #[test]
+    fn raw_fields_are_the_bytes_that_encode_them() {
+        let buf = [0x08, 0xac, 0x02, 0x1d, 1, 2, 3, 4, 0x12, 2, b'h', b'i'];
+        let raw: Vec<_> = RawFields::new(&buf).map(|f| f.unwrap().2).collect();
+        assert_eq!(raw, vec![&buf[..3], &buf[3..8], &buf[8..]]);
+        assert_eq!(raw.concat(), buf);
+        assert!(RawFields::new(&[0x12, 5, 1]).next().unwrap().is_err(), "a field cut short");
     }
 
     #[test]

@@ -19,8 +19,12 @@
 //! - `mapped`: the cached ORT file mapped copy-on-write, used in place, no prepacking —
 //!   no private copy at all, the pages are the page cache's, and a reload is ~1 ms.
 //!
-//! Until its copy is made, a `compact` or `mapped` model loads the `.onnx` without
-//! prepacking, as its copy will run (~150 ms for 100 MiB instead of ~300).
+//! Until its copy is made, a `compact` or `mapped` model loads its *mapped copy*
+//! (`<name>.mapped/`, see `external`): the `.onnx` with its weights moved into a
+//! page-aligned data file that ONNX Runtime maps, made by the first load in ~40 ms
+//! without the runtime or private memory, loaded in ~4 ms, run as the ORT-format copy
+//! runs. A model that cannot have one loads the `.onnx` without prepacking (~150 ms for
+//! 100 MiB instead of ~300). The one-time conversions start from the mapped copy.
 //!
 //! The cache (`state_dir/ort-cache/`) is keyed by the model files' fingerprint and the
 //! runtime library; the user's files are never touched. A conversion that fails is an
@@ -36,6 +40,8 @@ use ort::{
     environment::Environment,
     session::{builder::GraphOptimizationLevel, Session},
 };
+
+use crate::external;
 
 /// The bytes a `compact` or `mapped` model is served from: they must outlive its sessions.
 pub(crate) enum ModelBytes {
@@ -95,18 +101,14 @@ pub(crate) fn prepacked_file(
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
     let started = std::time::Instant::now();
-    if let Err(e) = save_prepacked(env, onnx, &tmp.join("model.onnx")) {
+    let source = conversion_source(onnx, cache_dir, runtime);
+    if let Err(e) = save_prepacked(env, &source, &tmp.join("model.onnx")) {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(format!("cannot save a prepacked copy of {}: {e}", onnx.display()));
     }
     std::fs::rename(&tmp, &dir)
         .map_err(|e| format!("cannot move the prepacked copy to {}: {e}", dir.display()))?;
-    tracing::info!(
-        model = %onnx.display(),
-        cache = %dir.display(),
-        duration_ms = started.elapsed().as_millis() as u64,
-        "saved a prepacked copy (once per file version)"
-    );
+    log_made("saved a prepacked copy", onnx, &dir, started);
     Ok(model)
 }
 
@@ -126,6 +128,50 @@ fn save_optimized(builder: ort::session::builder::SessionBuilder, onnx: &Path, t
     drop(builder.with_optimized_model_path(to)?.commit_from_file(onnx)?);
     snooze_core::memory::trim_heap();
     Ok(())
+}
+
+/// The mapped copy of `onnx` in `cache_dir` (see `external`), made now if it is not
+/// there yet; `Ok(None)` if the model cannot have one.
+pub(crate) fn mapped_copy(onnx: &Path, cache_dir: &Path, runtime: &Path) -> Result<Option<PathBuf>, String> {
+    let dir = mapped_copy_dir(onnx, cache_dir, runtime);
+    if let Some(made) = external::cached(&dir) {
+        return Ok(Some(made));
+    }
+    std::fs::create_dir_all(cache_dir).map_err(|e| format!("cannot create {}: {e}", cache_dir.display()))?;
+    let started = std::time::Instant::now();
+    let made = external::copy(onnx, &dir)?;
+    if made.is_some() {
+        log_made("made a mapped copy", onnx, &dir, started);
+    }
+    Ok(made)
+}
+
+/// The mapped copy of `onnx` in `cache_dir`, if one was made.
+pub(crate) fn cached_mapped_copy(onnx: &Path, cache_dir: &Path, runtime: &Path) -> Option<PathBuf> {
+    external::cached(&mapped_copy_dir(onnx, cache_dir, runtime))
+}
+
+/// Removes the mapped copy of `onnx` (one the runtime would not load).
+pub(crate) fn discard_mapped_copy(onnx: &Path, cache_dir: &Path, runtime: &Path) {
+    let _ = std::fs::remove_dir_all(mapped_copy_dir(onnx, cache_dir, runtime));
+}
+
+fn mapped_copy_dir(onnx: &Path, cache_dir: &Path, runtime: &Path) -> PathBuf {
+    cache_dir.join(format!("{}.mapped", cache_stem(onnx, runtime)))
+}
+
+/// What a conversion reads: the mapped copy (made now: it takes tens of milliseconds and
+/// no private memory), from which ONNX Runtime converts with a smaller peak (+160 MiB
+/// instead of +260 MiB for the 100 MiB MLP) and sooner; the `.onnx` if there is none.
+fn conversion_source(onnx: &Path, cache_dir: &Path, runtime: &Path) -> PathBuf {
+    match mapped_copy(onnx, cache_dir, runtime) {
+        Ok(Some(copy)) => copy,
+        Ok(None) => onnx.to_path_buf(),
+        Err(e) => {
+            tracing::warn!(model = %onnx.display(), error = %e, "converting from the .onnx: no mapped copy");
+            onnx.to_path_buf()
+        }
+    }
 }
 
 /// The prepacked copy of `onnx` in `cache_dir`, if one was saved.
@@ -153,19 +199,14 @@ pub(crate) fn ort_format_file(
     std::fs::create_dir_all(cache_dir).map_err(|e| format!("cannot create {}: {e}", cache_dir.display()))?;
     let tmp = target.with_extension(format!("tmp-{}", std::process::id()));
     let started = std::time::Instant::now();
-    let converted = convert(env, onnx, &tmp);
+    let converted = convert(env, &conversion_source(onnx, cache_dir, runtime), &tmp);
     if let Err(e) = converted {
         let _ = std::fs::remove_file(&tmp);
         return Err(format!("cannot convert {} to the ORT format: {e}", onnx.display()));
     }
     std::fs::rename(&tmp, &target)
         .map_err(|e| format!("cannot move the converted model to {}: {e}", target.display()))?;
-    tracing::info!(
-        model = %onnx.display(),
-        cache = %target.display(),
-        duration_ms = started.elapsed().as_millis() as u64,
-        "converted to the ORT format (once per file version)"
-    );
+    log_made("converted to the ORT format", onnx, &target, started);
     Ok(target)
 }
 
@@ -177,6 +218,16 @@ fn convert(env: &Environment, onnx: &Path, to: &Path) -> ort::Result<()> {
         .with_prepacking(false)?
         .with_config_entry("session.save_model_format", "ORT")?;
     save_optimized(builder, onnx, to)
+}
+
+/// One line per cache entry made: `what` of `onnx`, now at `cache`.
+fn log_made(what: &str, onnx: &Path, cache: &Path, started: std::time::Instant) {
+    tracing::info!(
+        model = %onnx.display(),
+        cache = %cache.display(),
+        duration_ms = started.elapsed().as_millis() as u64,
+        "{what} (once per file version)"
+    );
 }
 
 fn cache_name(onnx: &Path, runtime: &Path) -> String {

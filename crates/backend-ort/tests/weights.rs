@@ -1,6 +1,8 @@
 //! The three ways of holding a model's weights give the same outputs; `compact` and
 //! `mapped` are built from an ORT-format copy cached outside the user's files, made by
-//! `prepare` — a load never converts: before the copy exists it loads the `.onnx`.
+//! `prepare` — a load never converts with the runtime: before the copy exists it loads
+//! the mapped copy (the `.onnx` with its weights moved to a mapped data file, which the
+//! load makes), or the `.onnx` where there is no cache.
 
 #![allow(clippy::unwrap_used)]
 
@@ -43,8 +45,23 @@ fn every_profile_gives_the_same_outputs() {
         inputs().iter().map(|i| floats(&m.infer(i, &[]).unwrap())).collect::<Vec<_>>()
     };
     let prepacked = run(Weights::Prepacked);
-    // Not converted yet: the lean profiles serve from the .onnx, without prepacking.
+    // Not converted yet: the lean profiles serve from the mapped copy, without prepacking,
+    // its weights mapped (counted in the footprint from the start); without a cache, from
+    // the .onnx.
+    let m = b.load(&spec("mlp-100m-1", Weights::Mapped)).unwrap();
+    let file = std::fs::metadata(model("mlp-100m-1").join("model.onnx")).unwrap().len();
+    assert!(
+        m.mapped_bytes() >= file - (1 << 20) && m.mapped_bytes() <= file + (1 << 20),
+        "{}",
+        m.mapped_bytes()
+    );
+    drop(m);
     let unconverted = run(Weights::Mapped);
+    let from_onnx = {
+        let m = backend().load(&spec("mlp-100m-1", Weights::Mapped)).unwrap();
+        assert_eq!(m.mapped_bytes(), 0, "the runtime's own copy");
+        inputs().iter().map(|i| floats(&m.infer(i, &[]).unwrap())).collect::<Vec<_>>()
+    };
     b.prepare(&spec("mlp-100m-1", Weights::Mapped)).unwrap();
     let compact = run(Weights::Compact);
     let mapped = run(Weights::Mapped);
@@ -52,6 +69,7 @@ fn every_profile_gives_the_same_outputs() {
     // The .onnx loaded as its copy runs (no prepacked GEMM): the copy's outputs, bit for bit,
     // not the prepacked ones (checked just below to differ, or this would prove nothing).
     assert_eq!(unconverted, mapped, "an unconverted mapped load runs as its converted copy does");
+    assert_eq!(from_onnx, mapped, "so does one from the .onnx");
     assert_ne!(unconverted, prepacked, "prepacking changes the summation order on this model");
     // Other kernels (packed GEMM), other summation order: within 1e-5 of the output's scale.
     for (p, c) in prepacked.iter().zip(&compact) {
@@ -73,20 +91,37 @@ fn the_ort_format_copy_is_cached_once_outside_the_users_files() {
     let b = backend().with_cache_dir(&dir);
     let folder = model("mlp-10m");
     let before: Vec<_> = std::fs::read_dir(&folder).unwrap().map(|e| e.unwrap().file_name()).collect();
-    let peak = b.preparation(&folder, Weights::Mapped).expect("a conversion is pending");
     let file = std::fs::metadata(folder.join("model.onnx")).unwrap().len();
-    assert!(peak > 2 * file, "the conversion's peak: {peak} for a {file}-byte model");
+    // Converted from the mapped copy: 1.7x the model and a floor, not the 2.7x from the .onnx.
+    let peak = b.preparation(&folder, Weights::Mapped).expect("a conversion is pending");
+    let from_onnx = snooze_backend_ort::estimate::conversion_peak_of(file);
+    assert!(peak > file && peak < from_onnx, "the conversion's peak: {peak} for a {file}-byte model");
+    assert_eq!(
+        backend().with_cache_dir(cache_dir("no-copy")).preparation(&folder, Weights::Mapped),
+        Some(peak)
+    );
     drop(b.load(&spec("mlp-10m", Weights::Mapped)).unwrap());
-    assert!(!dir.exists() || std::fs::read_dir(&dir).unwrap().next().is_none(), "a load does not convert");
+    let listed = || {
+        let mut v: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+        v.sort();
+        v
+    };
+    let cached = listed();
+    assert_eq!(cached.len(), 1, "a load makes the mapped copy and converts nothing: {cached:?}");
+    assert!(cached[0].extension().is_some_and(|e| e == "mapped"), "{cached:?}");
+    let data = std::fs::metadata(cached[0].join("model.data")).unwrap().len();
+    let graph = std::fs::metadata(cached[0].join("model.onnx")).unwrap().len();
+    assert!(data >= file - 4096 && graph < 4096, "data {data}, graph {graph}, model {file}");
     b.prepare(&spec("mlp-10m", Weights::Mapped)).unwrap();
     assert_eq!(b.preparation(&folder, Weights::Mapped), None, "nothing pending once converted");
-    let cached: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
-    assert_eq!(cached.len(), 1, "{cached:?}");
-    assert!(cached[0].extension().is_some_and(|e| e == "ort"), "{cached:?}");
-    let made = std::fs::metadata(&cached[0]).unwrap().modified().unwrap();
+    let cached = listed();
+    assert_eq!(cached.len(), 2, "{cached:?}");
+    let ort = cached.iter().find(|p| p.extension().is_some_and(|e| e == "ort")).expect("the ORT-format copy");
+    let made = std::fs::metadata(ort).unwrap().modified().unwrap();
     b.prepare(&spec("mlp-10m", Weights::Compact)).unwrap();
     drop(b.load(&spec("mlp-10m", Weights::Compact)).unwrap());
-    assert_eq!(std::fs::metadata(&cached[0]).unwrap().modified().unwrap(), made, "converted once");
+    assert_eq!(std::fs::metadata(ort).unwrap().modified().unwrap(), made, "converted once");
+    assert_eq!(listed().len(), 2);
     let after: Vec<_> = std::fs::read_dir(&folder).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(before, after, "the model's folder is untouched");
 }
@@ -112,10 +147,39 @@ fn mapped_and_compact_estimates_are_about_the_weights() {
     let path = model("mlp-100m-1");
     let file = std::fs::metadata(path.join("model.onnx")).unwrap().len();
     let prepacked = b.estimate(&path, Weights::Prepacked).steady_bytes.unwrap();
+    // Without a cache, a lean model loads as the .onnx does; with one, its mapped copy.
+    let no_cache = backend().estimate(&path, Weights::Mapped);
+    assert_eq!(no_cache.steady_bytes, Some(prepacked), "{}", no_cache.derivation);
+    assert!(no_cache.derivation.contains("from the .onnx meanwhile"), "{}", no_cache.derivation);
     let before = b.estimate(&path, Weights::Mapped);
-    assert_eq!(before.steady_bytes, Some(prepacked), "not converted: it loads as the .onnx does");
-    assert!(before.derivation.contains("not converted yet"), "{}", before.derivation);
+    assert!(before.derivation.contains("mapped copy meanwhile"), "{}", before.derivation);
     b.prepare(&spec("mlp-100m-1", Weights::Mapped)).unwrap();
     let lean = b.estimate(&path, Weights::Mapped).steady_bytes.unwrap();
+    assert_eq!(before.steady_bytes, Some(lean), "the mapped copy holds what the converted one does");
     assert!(lean < prepacked && lean >= file, "{lean} vs {prepacked}, file {file}");
+}
+
+#[test]
+fn a_broken_mapped_copy_is_replaced_by_the_onnx_and_made_again() {
+    let dir = cache_dir("broken-copy");
+    let b = backend().with_cache_dir(&dir);
+    let run = |m: &dyn snooze_core::LoadedModel| floats(&m.infer(&inputs()[0], &[]).unwrap());
+    let m = b.load(&spec("mlp-10m", Weights::Mapped)).unwrap();
+    assert!(m.mapped_bytes() > 0, "served from its mapped copy");
+    drop(m);
+    let copy = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "mapped"))
+        .unwrap();
+    // Cut short (a full disk, a copy damaged on disk): the runtime refuses it.
+    std::fs::OpenOptions::new().write(true).open(copy.join("model.data")).unwrap().set_len(4096).unwrap();
+    let m = b.load(&spec("mlp-10m", Weights::Mapped)).expect("served from the .onnx");
+    assert_eq!(m.mapped_bytes(), 0, "the runtime's own copy of the .onnx");
+    let from_onnx = run(m.as_ref());
+    drop(m);
+    assert!(!copy.exists(), "the broken copy is gone");
+    let m = b.load(&spec("mlp-10m", Weights::Mapped)).unwrap();
+    assert!(m.mapped_bytes() > 0 && copy.join("model.data").is_file(), "made again by the next load");
+    assert_eq!(run(m.as_ref()), from_onnx);
 }
