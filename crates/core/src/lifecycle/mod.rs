@@ -186,10 +186,11 @@ pub enum Event {
     Collect { req: RequestId, except: Option<ModelId>, include_pinned: bool, reason: UnloadReason },
     /// Refuse new work from now on; waiting callers are refused.
     Shutdown,
-    /// The memory pressure level (rule 8). Emergency unloads every idle, unpinned
-    /// model; critical makes loads pay for themselves with evictions and refuses
-    /// low-priority requests.
-    Pressure(PressureLevel),
+    /// The memory pressure level (rule 8): critical makes loads pay for themselves with
+    /// evictions and refuses low-priority requests; emergency also unloads idle, unpinned
+    /// models, the least worth first, until they cover `excess` — the bytes the process
+    /// holds over the critical threshold (ignored below emergency).
+    Pressure { level: PressureLevel, excess: u64 },
 }
 
 /// What a load took, as the shell measured it (`None` where it could not).
@@ -427,15 +428,11 @@ impl Scheduler {
                 self.on_collect(req, except, include_pinned, reason)
             }
             Event::Shutdown => self.on_shutdown(),
-            Event::Pressure(level) => {
+            Event::Pressure { level, excess } => {
                 self.pressure = level;
                 if level == PressureLevel::Emergency {
                     self.forget_evictions();
-                    for id in 0..self.slots.len() {
-                        if self.slots[id].idle().is_some() && !self.slots[id].policy.pinned {
-                            self.begin_unload(id, UnloadReason::Pressure);
-                        }
-                    }
+                    self.on_emergency(now, excess);
                 }
             }
         }

@@ -49,6 +49,31 @@ impl Scheduler {
         }
     }
 
+    /// Rule 8, emergency: the process holds `excess` bytes over the critical threshold.
+    /// Idle, unpinned models holding host memory leave, the one worth least first (see
+    /// `keep_value`; `min_residency` does not protect them here), until they and the
+    /// models already leaving cover it. Not every idle model: an overshoot of a few
+    /// percent (a page's activations in flight) used to empty the host of the light
+    /// models asked for many times a second, each reloaded moments later. The shell
+    /// reads the level again as each unload ends, so an excess that remains takes the next.
+    pub(super) fn on_emergency(&mut self, now: Instant, excess: u64) {
+        let host = Device::Cpu;
+        let mut covered = self.leaving(&host);
+        let mut idle: Vec<(f64, Instant, ModelId)> = (0..self.slots.len())
+            .filter(|&id| !self.slots[id].policy.pinned && self.slots[id].held_on(&host).is_some())
+            .filter_map(|id| Some((self.keep_value(id, now, Duration::ZERO), self.slots[id].idle()?, id)))
+            .collect();
+        idle.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+        for (_, _, victim) in idle {
+            if covered >= excess {
+                break;
+            }
+            covered = covered.saturating_add(self.slots[victim].held_on(&host).unwrap_or(0));
+            tracing::debug!(model = self.slots[victim].name(), excess, "unloaded: memory emergency");
+            self.begin_unload(victim, UnloadReason::Pressure);
+        }
+    }
+
     pub(super) fn on_unload_finished(&mut self, now: Instant, model: ModelId) {
         let s = &mut self.slots[model];
         let reason = match &s.state {

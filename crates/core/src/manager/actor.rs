@@ -113,10 +113,17 @@ impl Actor {
         // last one are unloaded too.
         if level != self.scheduler.pressure() || level == PressureLevel::Emergency {
             self.level.send_replace(level);
+            // What brings the process back under the critical threshold.
+            let critical = (budget as f64 * self.thresholds.critical) as u64;
+            let excess = snap.process_bytes.saturating_sub(critical).saturating_add(1);
             if level == PressureLevel::Emergency {
-                tracing::warn!("memory pressure emergency: unloading every idle, unpinned model");
+                tracing::warn!(
+                    process_bytes = snap.process_bytes,
+                    excess,
+                    "memory pressure emergency: unloading idle, unpinned models until the excess is covered"
+                );
             }
-            actions.extend(self.scheduler.handle(now(), Event::Pressure(level)));
+            actions.extend(self.scheduler.handle(now(), Event::Pressure { level, excess }));
         }
         actions
     }
@@ -229,7 +236,7 @@ impl Actor {
             }
             Command::UnloadDone { model } => {
                 // Under critical pressure a load must pay for itself with evictions; once an
-                // emergency has unloaded every idle model nothing is left to evict, so the
+                // emergency has unloaded the idle models nothing may be left to evict, so the
                 // level the unloads may have ended is read now, not at the next reading
                 // (the mix benchmark's light tasks all stalled for those 5 s).
                 let mut actions = if self.scheduler.pressure() >= PressureLevel::Critical {

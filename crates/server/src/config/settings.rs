@@ -170,7 +170,8 @@ server_settings! {
     memory_warning_threshold: f64 = "0.80";
     /// Loads must evict first; low-priority requests get 503.
     memory_critical_threshold: f64 = "0.95";
-    /// Every idle, unpinned model is unloaded.
+    /// Idle, unpinned models are unloaded, the least worth first, until they cover the
+    /// excess over the critical threshold.
     memory_emergency_threshold: f64 = "0.98";
     /// How often the monitor reads memory (also after each load).
     memory_check_interval: Duration = "5s", check at_least_10ms;
