@@ -25,7 +25,6 @@ use std::{
     fs::File,
     io::{Seek, SeekFrom},
     path::{Path, PathBuf},
-    sync::atomic::{AtomicU64, Ordering},
 };
 
 use crate::{
@@ -70,10 +69,7 @@ pub(crate) fn copy(onnx: &Path, dir: &Path) -> Result<Option<PathBuf>, String> {
     }
     // A name of its own per attempt: a load and a preparation in this process may make
     // the same copy at once (the first rename wins, the other's copy is dropped).
-    static ATTEMPT: AtomicU64 = AtomicU64::new(0);
-    let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("model");
-    let attempt = ATTEMPT.fetch_add(1, Ordering::Relaxed);
-    let tmp = dir.with_file_name(format!("{name}.tmp-{}-{attempt}", std::process::id()));
+    let tmp = crate::weights::tmp_path(dir);
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
     let written = write_copy(&file, &map, &tmp);

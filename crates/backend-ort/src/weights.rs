@@ -34,6 +34,10 @@ use std::{
     collections::hash_map::DefaultHasher,
     hash::{Hash, Hasher},
     path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Mutex,
+    },
 };
 
 use ort::{
@@ -96,8 +100,8 @@ pub(crate) fn prepacked_file(
     if model.is_file() {
         return Ok(model);
     }
-    std::fs::create_dir_all(cache_dir).map_err(|e| format!("cannot create {}: {e}", cache_dir.display()))?;
-    let tmp = cache_dir.join(format!("{}.tmp-{}", cache_stem(onnx, runtime), std::process::id()));
+    open_cache(cache_dir)?;
+    let tmp = tmp_path(&dir);
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
     let started = std::time::Instant::now();
@@ -137,7 +141,7 @@ pub(crate) fn mapped_copy(onnx: &Path, cache_dir: &Path, runtime: &Path) -> Resu
     if let Some(made) = external::cached(&dir) {
         return Ok(Some(made));
     }
-    std::fs::create_dir_all(cache_dir).map_err(|e| format!("cannot create {}: {e}", cache_dir.display()))?;
+    open_cache(cache_dir)?;
     let started = std::time::Instant::now();
     let made = external::copy(onnx, &dir)?;
     if made.is_some() {
@@ -196,8 +200,8 @@ pub(crate) fn ort_format_file(
     if target.is_file() {
         return Ok(target);
     }
-    std::fs::create_dir_all(cache_dir).map_err(|e| format!("cannot create {}: {e}", cache_dir.display()))?;
-    let tmp = target.with_extension(format!("tmp-{}", std::process::id()));
+    open_cache(cache_dir)?;
+    let tmp = tmp_path(&target);
     let started = std::time::Instant::now();
     let converted = convert(env, &conversion_source(onnx, cache_dir, runtime), &tmp);
     if let Err(e) = converted {
@@ -218,6 +222,66 @@ fn convert(env: &Environment, onnx: &Path, to: &Path) -> ort::Result<()> {
         .with_prepacking(false)?
         .with_config_entry("session.save_model_format", "ORT")?;
     save_optimized(builder, onnx, to)
+}
+
+/// Where a cache entry is written before it is renamed to `target`:
+/// `<target>.tmp-<pid>-<n>`, a name of its own per attempt (two conversions or copies
+/// never share one) that says which process wrote it (see `sweep`).
+pub(crate) fn tmp_path(target: &Path) -> PathBuf {
+    static ATTEMPT: AtomicU64 = AtomicU64::new(0);
+    let name = target.file_name().and_then(|n| n.to_str()).unwrap_or("entry");
+    let attempt = ATTEMPT.fetch_add(1, Ordering::Relaxed);
+    target.with_file_name(format!("{name}.tmp-{}-{attempt}", std::process::id()))
+}
+
+/// Creates `cache_dir` if need be and, the first time this process writes to it, sweeps it.
+fn open_cache(cache_dir: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(cache_dir).map_err(|e| format!("cannot create {}: {e}", cache_dir.display()))?;
+    static SWEPT: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+    let mut swept = SWEPT.lock().unwrap_or_else(|p| p.into_inner());
+    if !swept.iter().any(|d| d == cache_dir) {
+        swept.push(cache_dir.to_path_buf());
+        sweep(cache_dir);
+    }
+    Ok(())
+}
+
+/// Removes what a process that no longer runs left half-written in `cache_dir` (a
+/// conversion killed mid-way, by a crash or an out-of-memory kill: up to a few times the
+/// model's size each, never reused since every attempt writes a name of its own).
+/// Entries of processes still running — a `snooze prepare` beside the server, this
+/// process — stay. Where running processes cannot be told (no `/proc`), nothing goes.
+pub(crate) fn sweep(cache_dir: &Path) {
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(cache_dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(tmp_owner) else { continue };
+        if pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        let path = entry.path();
+        let removed =
+            if path.is_dir() { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) };
+        match removed {
+            Ok(()) => {
+                tracing::info!(entry = %path.display(), pid, "removed what a stopped process left in the cache")
+            }
+            Err(e) => {
+                tracing::warn!(entry = %path.display(), error = %e, "cannot remove a stale cache entry")
+            }
+        }
+    }
+}
+
+/// The process that wrote a `…tmp-<pid>[-<n>]` entry.
+fn tmp_owner(name: &str) -> Option<u32> {
+    let (_, tail) = name.rsplit_once(".tmp-")?;
+    let (pid, attempt) = tail.split_once('-').unwrap_or((tail, "0"));
+    attempt.parse::<u64>().ok()?;
+    pid.parse().ok()
 }
 
 /// One line per cache entry made: `what` of `onnx`, now at `cache`.
@@ -250,4 +314,52 @@ fn cache_stem(onnx: &Path, runtime: &Path) -> String {
         .filter(|c| c.is_ascii_alphanumeric() || "-_.".contains(*c))
         .collect::<String>();
     format!("{stem}-{:016x}", h.finish())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sweep_removes_what_stopped_processes_left_and_nothing_else() {
+        let dir = std::env::temp_dir().join(format!("snooze-sweep-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        // No process has a pid above pid_max (at most 2^22).
+        let gone = [("mlp-1f.mapped.tmp-2147483646-0", true), ("mlp-1f.tmp-2147483646", false)];
+        let own = format!("mlp-1f.ort.tmp-{}-7", std::process::id());
+        let kept =
+            [(own.as_str(), false), ("mlp-1f.ort", false), ("mlp-1f.mapped", true), ("x.tmp-abc", false)];
+        for (name, is_dir) in gone.iter().chain(&kept) {
+            let path = dir.join(name);
+            if *is_dir {
+                std::fs::create_dir_all(&path).unwrap();
+                std::fs::write(path.join("model.data"), b"weights").unwrap();
+            } else {
+                std::fs::write(&path, b"weights").unwrap();
+            }
+        }
+        sweep(&dir);
+        for (name, _) in gone {
+            assert!(!dir.join(name).exists(), "{name} left by a stopped process");
+        }
+        for (name, _) in kept {
+            assert!(dir.join(name).exists(), "{name} kept");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn every_attempt_writes_a_name_of_its_own_that_says_whose_it_is() {
+        let target = Path::new("/cache/mlp-1f.ort");
+        let (a, b) = (tmp_path(target), tmp_path(target));
+        assert_ne!(a, b);
+        for p in [a, b] {
+            let name = p.file_name().unwrap().to_str().unwrap();
+            assert!(name.starts_with("mlp-1f.ort.tmp-"), "{name}");
+            assert_eq!(tmp_owner(name), Some(std::process::id()));
+        }
+        assert_eq!(tmp_owner("mlp-1f.ort"), None);
+        assert_eq!(tmp_owner("mlp-1f.tmp-12"), Some(12), "the names of earlier versions");
+    }
 }

@@ -127,6 +127,21 @@ fn the_ort_format_copy_is_cached_once_outside_the_users_files() {
 }
 
 #[test]
+fn what_a_killed_conversion_left_in_the_cache_goes_at_the_next_load() {
+    // A conversion killed mid-way (an out-of-memory kill) leaves its half-written copy under
+    // a name no later attempt reuses; the first load that writes to the cache removes it.
+    let dir = cache_dir("stale");
+    std::fs::create_dir_all(&dir).unwrap();
+    let stale = dir.join("mlp-10m-0123456789abcdef.ort.tmp-2147483646-0"); // no such pid
+    std::fs::write(&stale, vec![0u8; 4096]).unwrap();
+    drop(backend().with_cache_dir(&dir).load(&spec("mlp-10m", Weights::Mapped)).unwrap());
+    assert!(!stale.exists(), "a stopped process's half-written copy is removed");
+    let left: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(left.len(), 1, "the mapped copy alone: {left:?}");
+    assert!(left[0].to_str().unwrap().ends_with(".mapped"), "{left:?}");
+}
+
+#[test]
 fn a_cache_that_cannot_be_written_is_a_clear_error_and_the_model_still_loads() {
     let b = backend().with_cache_dir("/proc/snooze-cannot-write-here");
     let e = b.prepare(&spec("mlp-10m", Weights::Mapped)).unwrap_err().to_string();
