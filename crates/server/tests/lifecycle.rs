@@ -67,13 +67,39 @@ fn call(s: &Server, model: &str) {
     assert!(diff <= 1e-4, "{model}: output differs from numpy by {diff}");
 }
 
+/// `snooze prepare` of m1..m6 into `state`: each loads from its ORT-format copy. Eviction
+/// goes by worth (reload cost over request interval), which is LRU only among models that
+/// cost the same to bring back; from a fresh state dir one model's copy may be made in the
+/// background before its first load (a 1 ms load) and the next one's by its load (~60 ms),
+/// and the script's LRU order would then depend on that race (seen once in a CI rehearsal).
+/// Serving from a fresh state dir is `prepare.rs`'s subject.
+fn prepare(state: &std::path::Path) {
+    let dir = std::env::temp_dir().join(format!("snooze-lru-prepare-{}.toml", std::process::id()));
+    let six = config();
+    let six = &six[..six.find("[models.big]").expect("the six models come first")];
+    std::fs::write(&dir, six).expect("config");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_snooze"))
+        .arg("prepare")
+        .arg("--config")
+        .arg(&dir)
+        .arg("--state-dir")
+        .arg(state)
+        .env("ORT_DYLIB_PATH", ort_dylib())
+        .output()
+        .expect("run snooze prepare");
+    let _ = std::fs::remove_file(&dir);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    for i in 1..=6 {
+        assert!(stdout.contains(&format!("m{i}: prepared (mapped)")), "{stdout}");
+    }
+}
+
 #[test]
 fn lru_evictions_refusals_and_memory_given_back() {
-    // A fresh state dir: nothing converted. The ORT-format conversions (about 290 MiB at
-    // their peak) can never fit this budget beside the server, so the models are served
-    // straight from their .onnx — never refused for a one-time cost.
     let state = std::env::temp_dir().join(format!("snooze-lru-state-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&state);
+    prepare(&state);
     let state_arg = state.to_str().expect("utf-8 temp dir");
     let s = Server::start("lru", &config(), &["--state-dir", state_arg]);
     let rss_before = s.rss();
@@ -90,6 +116,9 @@ fn lru_evictions_refusals_and_memory_given_back() {
         ("m6", &["m5", "m6"]),
     ];
     for (step, (model, resident)) in script.iter().enumerate() {
+        // Apart enough that the request intervals, not a few milliseconds of first-run
+        // noise in the reload costs, decide the order.
+        std::thread::sleep(std::time::Duration::from_millis(300));
         call(&s, model);
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
         while ready_models(&s) != *resident {
