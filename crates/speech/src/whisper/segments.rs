@@ -28,17 +28,23 @@ pub struct WindowPlace {
     pub timestamp_begin: u32,
 }
 
+/// Seconds rounded to the millisecond: sums of 20 ms steps in binary floating point
+/// read `15.780000000000001`, and no format shows more than milliseconds.
+fn millis(seconds: f64) -> f64 {
+    (seconds * 1000.0).round() / 1000.0
+}
+
 /// The window's segments and the frame the next window starts at.
 pub fn split_by_timestamps(tokens: &[u32], place: &WindowPlace) -> (Vec<RawSegment>, u64) {
     let begin = place.timestamp_begin;
     let is_ts = |t: u32| t >= begin;
-    let offset = place.seek as f64 * place.seconds_per_frame;
-    let time = |t: u32| offset + f64::from(t - begin) * place.time_precision;
+    let offset = millis(place.seek as f64 * place.seconds_per_frame);
+    let time = |t: u32| millis(offset + f64::from(t - begin) * place.time_precision);
     let single_ending =
         tokens.len() >= 2 && !is_ts(tokens[tokens.len() - 2]) && is_ts(tokens[tokens.len() - 1]);
     let pairs: Vec<usize> = (1..tokens.len()).filter(|&i| is_ts(tokens[i]) && is_ts(tokens[i - 1])).collect();
     if pairs.is_empty() {
-        let mut end = offset + place.frames as f64 * place.seconds_per_frame;
+        let mut end = millis(offset + place.frames as f64 * place.seconds_per_frame);
         if let Some(&last) = tokens.iter().rev().find(|&&t| is_ts(t)) {
             if last != begin {
                 end = time(last);
@@ -128,5 +134,22 @@ mod tests {
         assert!(close(segments[0].end, 1.2));
         let (segments, _) = split_by_timestamps(&[B, 11, 12], &place(0, 800));
         assert!(close(segments[0].end, 8.0));
+    }
+
+    #[test]
+    fn times_are_whole_milliseconds_as_every_format_writes_them() {
+        // Sums of 20 ms steps: unrounded, times such as 15.780000000000001 come out.
+        let tokens = [B + 521, 10, B + 789, B + 789];
+        let (segments, _) = split_by_timestamps(&tokens, &place(521, 2479));
+        assert_eq!(segments[0].start.to_string(), "15.63");
+        assert_eq!(segments[0].end.to_string(), "20.99");
+        for seek in 0..3000u64 {
+            let (segments, _) = split_by_timestamps(&[B + 7, 10, B + 33, B + 33], &place(seek, 3000));
+            for t in [segments[0].start, segments[0].end] {
+                let text = t.to_string();
+                let decimals = text.split('.').nth(1).map_or(0, str::len);
+                assert!(decimals <= 3, "{text} at seek {seek}");
+            }
+        }
     }
 }
