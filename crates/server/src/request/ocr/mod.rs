@@ -136,9 +136,13 @@ pub struct Usage {
     pub pages: usize,
     /// Pixels the detector read, over all pages.
     pub pixels: u64,
+    #[serde(serialize_with = "to_microseconds")]
     pub decode_ms: f64,
+    #[serde(serialize_with = "to_microseconds")]
     pub det_ms: f64,
+    #[serde(serialize_with = "to_microseconds")]
     pub cls_ms: f64,
+    #[serde(serialize_with = "to_microseconds")]
     pub rec_ms: f64,
     /// Model runs per stage this request took part in.
     pub runs: [u32; 3],
@@ -166,6 +170,11 @@ pub fn vision_error(e: VisionError) -> SnoozeError {
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
+}
+
+/// Milliseconds written to the microsecond: sums of `f64` read `3.1420519999999996`.
+fn to_microseconds<S: serde::Serializer>(ms: &f64, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_f64((ms * 1e3).round() / 1e3)
 }
 
 fn add(usage: &mut Usage, stage: usize, t: &JobTimes) {
@@ -327,4 +336,17 @@ pub async fn read(
     }
     usage.pages = pages.len();
     Ok(OcrResult { model: s.name.clone(), pages, usage })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_times_are_written_to_the_microsecond() {
+        let usage = Usage { decode_ms: 3.1420519999999996, det_ms: 0.0004, ..Usage::default() };
+        let json = serde_json::to_value(&usage).unwrap_or_default();
+        assert_eq!(json["decode_ms"], 3.142);
+        assert_eq!(json["det_ms"], 0.0);
+    }
 }
