@@ -383,6 +383,8 @@ impl Scheduler {
                     freed += bytes;
                     chosen.push(id);
                     if room.fits(freed, chosen.len()) {
+                        let bytes = |id: ModelId| self.slots[id].resident_bytes();
+                        Self::spare_the_unneeded(&mut chosen, freed, bytes, |freed, n| room.fits(freed, n));
                         return Plan::Evict(chosen);
                     }
                 }
@@ -402,6 +404,46 @@ impl Scheduler {
             return Plan::Wait(Wait::Until(t));
         }
         Plan::Wait(Wait::Events)
+    }
+
+    /// Takes back from `chosen` (victims in eviction order, `freed` bytes together, which
+    /// `covers`) every one the others cover without, the worthiest first. Taken in order,
+    /// the last victim is the one that made room, and it may be large enough that an
+    /// earlier one was not needed: in the mix, a 14 MiB model asked for ten times a second
+    /// went with a 100 MiB one and Whisper for a load the two of those alone made room
+    /// for, and its next requests waited for its reload.
+    pub(super) fn spare_the_unneeded(
+        chosen: &mut Vec<ModelId>,
+        mut freed: u64,
+        bytes: impl Fn(ModelId) -> u64,
+        covers: impl Fn(u64, usize) -> bool,
+    ) {
+        for i in (0..chosen.len().saturating_sub(1)).rev() {
+            let b = bytes(chosen[i]);
+            if covers(freed.saturating_sub(b), chosen.len() - 1) {
+                freed = freed.saturating_sub(b);
+                chosen.remove(i);
+            }
+        }
+    }
+
+    /// The victims among `candidates` (in eviction order) whose `bytes` reach `need`:
+    /// taken in order until they do, less those the others cover without
+    /// ([`Scheduler::spare_the_unneeded`]); all of them when together they fall short.
+    pub(super) fn cover(candidates: Vec<ModelId>, need: u64, bytes: impl Fn(ModelId) -> u64) -> Vec<ModelId> {
+        let mut freed = 0u64;
+        let mut chosen = Vec::new();
+        for v in candidates {
+            if freed >= need {
+                break;
+            }
+            freed = freed.saturating_add(bytes(v));
+            chosen.push(v);
+        }
+        if freed >= need {
+            Self::spare_the_unneeded(&mut chosen, freed, bytes, |f, _| f >= need);
+        }
+        chosen
     }
 
     /// Resident, unpinned models on `device` other than `except`, in eviction order:
@@ -482,8 +524,21 @@ impl Scheduler {
 
     /// Idle, unpinned models on `device` other than `except`, the one worth least first
     /// (see `keep_value`; for holding the budget and the out-of-memory retry of a load:
-    /// of `except`'s, when it is a model).
+    /// of `except`'s, when it is a model). Models younger than their `min_residency`
+    /// stay out.
     pub(super) fn idle_by_worth(&self, device: &Device, except: ModelId, now: Instant) -> Vec<ModelId> {
+        self.idle_by_worth_of_any_age(device, except, now, false)
+    }
+
+    /// [`Scheduler::idle_by_worth`], with the models younger than their `min_residency`
+    /// too when `any_age` (a memory emergency does not wait for them).
+    pub(super) fn idle_by_worth_of_any_age(
+        &self,
+        device: &Device,
+        except: ModelId,
+        now: Instant,
+        any_age: bool,
+    ) -> Vec<ModelId> {
         let behind = self.slots.get(except).and_then(|s| s.last_load).unwrap_or_default();
         let mut v: Vec<(f64, Instant, ModelId)> = self
             .slots
@@ -491,7 +546,7 @@ impl Scheduler {
             .enumerate()
             .filter(|(id, s)| *id != except && !s.policy.pinned && s.device() == Some(device))
             .filter(|(_, s)| match s.state {
-                SlotState::Ready { loaded_at, .. } => loaded_at + s.policy.min_residency <= now,
+                SlotState::Ready { loaded_at, .. } => any_age || loaded_at + s.policy.min_residency <= now,
                 _ => false,
             })
             .filter_map(|(id, s)| Some((self.keep_value(id, now, behind), s.idle()?, id)))

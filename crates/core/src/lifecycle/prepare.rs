@@ -98,17 +98,12 @@ impl Scheduler {
             if !churns || busy {
                 return None;
             }
-            let mut freed = 0u64;
-            let mut victims = Vec::new();
             // No exception: the model's own idle instance may go too (it comes back
             // from the copy).
-            for v in self.idle_by_worth(&cpu, ModelId::MAX, self.now) {
-                if need <= free.saturating_add(freed) {
-                    break;
-                }
-                freed = freed.saturating_add(self.slots[v].resident_bytes());
-                victims.push(v);
-            }
+            let idle = self.idle_by_worth(&cpu, ModelId::MAX, self.now);
+            let bytes = |v: ModelId| self.slots[v].resident_bytes();
+            let victims = Self::cover(idle, need - free, bytes);
+            let freed: u64 = victims.iter().map(|&v| bytes(v)).sum();
             (need <= free.saturating_add(freed)).then_some((id, p, victims))
         });
         let Some((model, p, victims)) = next else { return };

@@ -58,17 +58,9 @@ impl Scheduler {
     /// reads the level again as each unload ends, so an excess that remains takes the next.
     pub(super) fn on_emergency(&mut self, now: Instant, excess: u64) {
         let host = Device::Cpu;
-        let mut covered = self.leaving(&host);
-        let mut idle: Vec<(f64, Instant, ModelId)> = (0..self.slots.len())
-            .filter(|&id| !self.slots[id].policy.pinned && self.slots[id].held_on(&host).is_some())
-            .filter_map(|id| Some((self.keep_value(id, now, Duration::ZERO), self.slots[id].idle()?, id)))
-            .collect();
-        idle.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-        for (_, _, victim) in idle {
-            if covered >= excess {
-                break;
-            }
-            covered = covered.saturating_add(self.slots[victim].held_on(&host).unwrap_or(0));
+        let need = excess.saturating_sub(self.leaving(&host));
+        let idle = self.idle_by_worth_of_any_age(&host, ModelId::MAX, now, true);
+        for victim in Self::cover(idle, need, |id| self.slots[id].held_on(&host).unwrap_or(0)) {
             tracing::debug!(model = self.slots[victim].name(), excess, "unloaded: memory emergency");
             self.begin_unload(victim, UnloadReason::Pressure);
         }
@@ -224,16 +216,15 @@ impl Scheduler {
     pub(super) fn hold_budgets(&mut self, now: Instant) {
         let devices: Vec<Device> = self.config.budgets.keys().cloned().collect();
         for device in devices {
-            let mut staying = self.accounted(&device).saturating_sub(self.leaving(&device));
+            let staying = self.accounted(&device).saturating_sub(self.leaving(&device));
             let budget = self.budget(&device);
             if staying <= budget {
                 continue;
             }
-            for victim in self.idle_by_worth(&device, ModelId::MAX, now) {
-                if staying <= budget {
-                    break;
-                }
-                let bytes = self.slots[victim].held_on(&device).unwrap_or(0);
+            let idle = self.idle_by_worth(&device, ModelId::MAX, now);
+            let victims =
+                Self::cover(idle, staying - budget, |id| self.slots[id].held_on(&device).unwrap_or(0));
+            for victim in victims {
                 tracing::debug!(
                     model = self.slots[victim].name(),
                     over = staying - budget,
@@ -241,7 +232,6 @@ impl Scheduler {
                 );
                 self.slots[victim].evicted_at = Some(now);
                 self.begin_unload(victim, UnloadReason::Evicted);
-                staying = staying.saturating_sub(bytes);
             }
         }
     }

@@ -526,6 +526,26 @@ fn rule8_emergency_unloads_the_least_worth_until_the_excess_is_covered() {
 }
 
 #[test]
+fn rule8_emergency_spares_a_model_the_larger_ones_after_it_cover_without() {
+    // In worth order "old" (100 MB) goes first, then "hot" (14 MB), then "big" (300 MB),
+    // the first that covers 350 MB. "old" and "big" cover it without "hot".
+    let mut h = Harness::new(1000, &[("hot", 14), ("old", 100), ("big", 300)]);
+    h.call("old").unwrap();
+    h.at(1.0);
+    let (req, a) = h.submit("big");
+    h.settle_loading_in(a, Duration::from_secs(2));
+    h.finish(req);
+    for i in 0..10 {
+        h.at(2.0 + 0.05 * f64::from(i));
+        h.call("hot").unwrap();
+    }
+    h.at(2.5);
+    h.call("big").unwrap();
+    assert_eq!(emergency(&mut h, 350), ["old", "big"]);
+    assert_eq!(h.state("hot"), StateName::Ready);
+}
+
+#[test]
 fn collect_unloads_idle_unpinned_models_and_answers_when_they_are_gone() {
     let mut h = Harness::with(1000, &[("a", 100), ("b", 100), ("p", 100)], |p| p.pinned = p.name == "p");
     h.call("a").unwrap();

@@ -167,6 +167,31 @@ fn a_large_model_asked_for_once_goes_before_a_small_one_asked_for_often() {
 }
 
 #[test]
+fn a_load_evicts_no_model_that_the_others_make_room_without() {
+    // Worth order: "old" (asked for once), "hot" (14 MB, twenty times a second, quick to
+    // reload), "slow" (150 MB, a second to reload). "new" needs 164 MB more than is free:
+    // "old" and "hot" (114 MB) fall short, "slow" covers it, and so would "old" and "slow"
+    // alone. Measured in the mix: `mlp-10m` went with a `mlp-100m` and Whisper for a load
+    // those two made room for, and its next requests waited for its reload.
+    let mut h = Harness::new(300, &[("old", 100), ("hot", 14), ("slow", 150), ("new", 200)]);
+    let (req, a) = h.submit("slow");
+    h.settle_loading_in(a, Duration::from_secs(1));
+    h.finish(req);
+    h.at(0.5);
+    h.call("old").unwrap();
+    for i in 0..=20 {
+        h.at(1.0 + f64::from(i) * 0.05);
+        h.call("hot").unwrap();
+    }
+    h.at(2.0);
+    h.call("slow").unwrap();
+    h.at(2.05);
+    h.call("new").unwrap();
+    assert_eq!(h.evictions(), ["old", "slow"]);
+    assert_eq!(h.state("hot"), StateName::Ready);
+}
+
+#[test]
 fn a_model_asked_for_while_a_long_load_would_run_is_not_evicted_for_it() {
     // "cold" takes a second to bring back, "hot" 10 ms: by load times alone "hot" goes.
     // But "slow" loads in 2 s, one load runs at a time, and "hot" is asked for every
