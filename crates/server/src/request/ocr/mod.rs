@@ -172,7 +172,7 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// Milliseconds written to the microsecond: sums of `f64` read `3.1420519999999996`.
+/// Milliseconds written to the microsecond: sums of `f64` read `2.7120519999999996`.
 fn to_microseconds<S: serde::Serializer>(ms: &f64, serializer: S) -> Result<S::Ok, S::Error> {
     serializer.serialize_f64((ms * 1e3).round() / 1e3)
 }
@@ -344,9 +344,9 @@ mod tests {
 
     #[test]
     fn usage_times_are_written_to_the_microsecond() {
-        let usage = Usage { decode_ms: 3.1420519999999996, det_ms: 0.0004, ..Usage::default() };
+        let usage = Usage { decode_ms: 2.7120519999999996, det_ms: 0.0004, ..Usage::default() };
         let json = serde_json::to_value(&usage).unwrap_or_default();
-        assert_eq!(json["decode_ms"], 3.142);
+        assert_eq!(json["decode_ms"], 2.712);
         assert_eq!(json["det_ms"], 0.0);
     }
 }
