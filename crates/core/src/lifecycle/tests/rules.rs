@@ -526,6 +526,16 @@ fn rule8_emergency_unloads_the_least_worth_until_the_excess_is_covered() {
 }
 
 #[test]
+fn a_cover_is_taken_in_order_and_keeps_no_victim_the_others_cover_without() {
+    let bytes = |id: ModelId| [100, 14, 150, 30][id];
+    assert_eq!(Scheduler::cover(vec![0, 1, 2, 3], 164, bytes), [0, 2], "1 is not needed beside 2");
+    assert_eq!(Scheduler::cover(vec![0, 1, 2, 3], 114, bytes), [0, 1], "in order, 0 and 1 cover it");
+    assert_eq!(Scheduler::cover(vec![1, 0, 2], 150, bytes), [2], "2 alone covers it: 1 and 0 stay");
+    assert!(Scheduler::cover(vec![0, 1], 0, bytes).is_empty(), "nothing needed, nothing taken");
+    assert_eq!(Scheduler::cover(vec![0, 1], 500, bytes), [0, 1], "short: all of them");
+}
+
+#[test]
 fn rule8_emergency_spares_a_model_the_larger_ones_after_it_cover_without() {
     // In worth order "old" (100 MB) goes first, then "hot" (14 MB), then "big" (300 MB),
     // the first that covers 350 MB. "old" and "big" cover it without "hot".
