@@ -11,6 +11,7 @@ pub mod backend;
 pub mod error;
 pub mod events;
 pub mod execution;
+pub mod kept;
 pub mod memory;
 pub mod pressure;
 pub mod task;

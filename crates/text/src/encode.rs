@@ -2,6 +2,9 @@
 //! micro-batches it runs them in.
 
 use snooze_core::{EmbedInput, Embeddings, InferError};
+use std::sync::Arc;
+
+use snooze_core::kept::Kept;
 use tokenizers::{Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy};
 
 use crate::{truncate::tokenizer_prefix, SentenceLayout};
@@ -16,10 +19,13 @@ pub const TOKENS_PER_PASS: usize = 8192;
 /// still runs 5 sequences of 256 tokens at once.
 pub const ATTENTION_PER_PASS: usize = 4 << 20;
 
+/// Tokenizers by file and truncation length, shared by the models that load them.
+static TOKENIZERS: Kept<Tokenizer> = Kept::new();
+
 /// A model's tokenizer, set to truncate to the model's limit and never to pad:
 /// padding is done per micro-batch, to its longest sequence, with an attention mask.
 pub struct TextEncoder {
-    tokenizer: Tokenizer,
+    tokenizer: Arc<Tokenizer>,
     max_seq_len: usize,
     vocab_size: usize,
 }
@@ -28,16 +34,21 @@ impl TextEncoder {
     pub fn load(layout: &SentenceLayout) -> Result<TextEncoder, String> {
         let path = layout.tokenizer_path();
         let failed = |e: &dyn std::fmt::Display| format!("cannot load {}: {e}", path.display());
-        let mut tokenizer = Tokenizer::from_file(&path).map_err(|e| failed(&e))?;
-        tokenizer.with_padding(None);
-        tokenizer
-            .with_truncation(Some(TruncationParams {
-                direction: TruncationDirection::Right,
-                max_length: layout.max_seq_len,
-                strategy: TruncationStrategy::LongestFirst,
-                stride: 0,
-            }))
-            .map_err(|e| failed(&e))?;
+        // Parsed once and kept between loads while memory allows (`snooze_core::kept`):
+        // the parse is most of a reload's time.
+        let tokenizer = TOKENIZERS.get_or_parse(&path, layout.max_seq_len as u64, || {
+            let mut tokenizer = Tokenizer::from_file(&path).map_err(|e| failed(&e))?;
+            tokenizer.with_padding(None);
+            tokenizer
+                .with_truncation(Some(TruncationParams {
+                    direction: TruncationDirection::Right,
+                    max_length: layout.max_seq_len,
+                    strategy: TruncationStrategy::LongestFirst,
+                    stride: 0,
+                }))
+                .map_err(|e| failed(&e))?;
+            Ok::<_, String>(tokenizer)
+        })?;
         Ok(TextEncoder { tokenizer, max_seq_len: layout.max_seq_len, vocab_size: layout.encoder.vocab_size })
     }
 

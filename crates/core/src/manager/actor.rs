@@ -113,6 +113,17 @@ impl Actor {
         // last one are unloaded too.
         if level != self.scheduler.pressure() || level == PressureLevel::Emergency {
             self.level.send_replace(level);
+            // A load must now be paid for by evictions: what was kept goes first.
+            if level >= PressureLevel::Critical {
+                let dropped = crate::kept::drop_all();
+                if dropped > 0 {
+                    tracing::info!(
+                        dropped,
+                        ?level,
+                        "memory pressure: parsed files kept between loads dropped"
+                    );
+                }
+            }
             // What brings the process back under the critical threshold.
             let critical = (budget as f64 * self.thresholds.critical) as u64;
             let excess = snap.process_bytes.saturating_sub(critical).saturating_add(1);

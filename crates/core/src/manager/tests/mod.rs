@@ -469,6 +469,26 @@ async fn loads_resume_as_soon_as_an_emergency_s_unloads_end_it() {
     assert!(asked.elapsed() < Duration::from_secs(1), "loaded after {:?}", asked.elapsed());
 }
 
+#[tokio::test(start_paused = true)]
+async fn parsed_files_kept_between_loads_go_when_memory_pressure_turns_critical() {
+    static KEPT: crate::kept::Kept<String> = crate::kept::Kept::new();
+    let dir = std::env::temp_dir().join(format!("snooze-kept-manager-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("tokenizer.json");
+    std::fs::write(&file, "{}").unwrap();
+    let s = setup(&["a"], KeepAlive::Forever);
+    s.process.store(850 * MB, Ordering::SeqCst); // over the warning threshold (80%)
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(s.m.pressure_level(), PressureLevel::Warning);
+    // (Kept only now: another test reaching the critical level drops it too.)
+    KEPT.get_or_parse(&file, 0, || Ok::<_, String>("parsed".to_string())).unwrap();
+    s.process.store(960 * MB, Ordering::SeqCst); // over the critical threshold (95%)
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(s.m.pressure_level(), PressureLevel::Critical);
+    assert!(KEPT.is_empty(), "dropped at the critical level");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[tokio::test]
 async fn a_full_gpu_falls_back_to_the_cpu_by_the_probe() {
     // The GPU's budget would take the model, but its (fake) probe says 10 MB are free.
