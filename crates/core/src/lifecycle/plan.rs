@@ -527,17 +527,17 @@ impl Scheduler {
     /// of `except`'s, when it is a model). Models younger than their `min_residency`
     /// stay out.
     pub(super) fn idle_by_worth(&self, device: &Device, except: ModelId, now: Instant) -> Vec<ModelId> {
-        self.idle_by_worth_of_any_age(device, except, now, false)
+        self.idle_in_worth_order(device, except, now, false)
     }
 
     /// [`Scheduler::idle_by_worth`], with the models younger than their `min_residency`
-    /// too when `any_age` (a memory emergency does not wait for them).
-    pub(super) fn idle_by_worth_of_any_age(
+    /// too when `young_too` (a memory emergency does not wait for them).
+    pub(super) fn idle_in_worth_order(
         &self,
         device: &Device,
         except: ModelId,
         now: Instant,
-        any_age: bool,
+        young_too: bool,
     ) -> Vec<ModelId> {
         let behind = self.slots.get(except).and_then(|s| s.last_load).unwrap_or_default();
         let mut v: Vec<(f64, Instant, ModelId)> = self
@@ -546,7 +546,7 @@ impl Scheduler {
             .enumerate()
             .filter(|(id, s)| *id != except && !s.policy.pinned && s.device() == Some(device))
             .filter(|(_, s)| match s.state {
-                SlotState::Ready { loaded_at, .. } => any_age || loaded_at + s.policy.min_residency <= now,
+                SlotState::Ready { loaded_at, .. } => young_too || loaded_at + s.policy.min_residency <= now,
                 _ => false,
             })
             .filter_map(|(id, s)| Some((self.keep_value(id, now, behind), s.idle()?, id)))

@@ -59,7 +59,7 @@ impl Scheduler {
     pub(super) fn on_emergency(&mut self, now: Instant, excess: u64) {
         let host = Device::Cpu;
         let need = excess.saturating_sub(self.leaving(&host));
-        let idle = self.idle_by_worth_of_any_age(&host, ModelId::MAX, now, true);
+        let idle = self.idle_in_worth_order(&host, ModelId::MAX, now, true);
         for victim in Self::cover(idle, need, |id| self.slots[id].held_on(&host).unwrap_or(0)) {
             tracing::debug!(model = self.slots[victim].name(), excess, "unloaded: memory emergency");
             self.begin_unload(victim, UnloadReason::Pressure);
