@@ -20,6 +20,12 @@ one state dir (made by `snooze prepare` first, so no run converts weights in its
   limited   host_memory_limit = half that RSS (or `--limit`); warmed the same way (which
             evicts), then the same arrivals.
 
+Each run first sends `--preroll` seconds (default 20) of the same mix with other arrivals,
+untimed, and goes on into the timed schedule without a pause: what is measured is the mix
+in its steady state, not the loads and evictions that follow the warm-up (the cold start
+has its own benchmark, `make bench-zipf`). Counters, CPU and peak RSS are the timed part's;
+heavy work of the pre-roll still in flight counts as heavy for the fairness figures.
+
 Arrivals are open loop: per task a seeded Poisson process at its own rate; each request is
 sent at its scheduled time by a pool of threads whatever happened to the ones before, and
 its latency runs from the scheduled time to the end of its answer (a late send counts
@@ -299,8 +305,9 @@ def counters(models):
     return {n: (m.get("loads", 0), m.get("evictions", 0)) for n, m in models.items()}
 
 
-def run(name, workdir, state_dir, tasks, schedule, args, limit=None, extra_args=()):
-    """Starts a server, warms it, sends `schedule` open loop, returns the figures."""
+def run(name, workdir, state_dir, tasks, schedule, args, limit=None, extra_args=(), preroll=()):
+    """Starts a server, warms it, sends `preroll` (times < 0, untimed) then `schedule` open
+    loop without a pause between them, returns the figures of `schedule`."""
     server = Server(workdir, name, config_text(args.big_models, limit), state_dir, list(extra_args))
     try:
         t0 = time.perf_counter()
@@ -309,39 +316,51 @@ def run(name, workdir, state_dir, tasks, schedule, args, limit=None, extra_args=
         costs = calibrate(server, tasks, args.seed) if name == "baseline" else None
         time.sleep(1.0)  # let the last run's buffers go back before the idle RSS is read
         idle_rss = server.rss()
-        before, refused0, since = server.models(), server.refusals(), int(time.time() * 1000)
         budget = server.get("/admin/models")["memory"].get("budget_bytes")
-        monitor = Monitor(server)
-        cpu0, me0 = proc_cpu_seconds(server.pid), proc_cpu_seconds(os.getpid())
-        background = Background([server.pid, os.getpid()])
-        records = send_open_loop(server, schedule, args)
+        at = {}
+
+        def at_zero():
+            """The timed part starts: every counter is read from here."""
+            at.update(before=server.models(), refused0=server.refusals(), since=int(time.time() * 1000),
+                      monitor=Monitor(server), cpu0=proc_cpu_seconds(server.pid),
+                      me0=proc_cpu_seconds(os.getpid()), background=Background([server.pid, os.getpid()]))
+
+        records = send_open_loop(server, list(preroll) + list(schedule), args, at_zero)
         wall = records.pop("__wall__")
+        monitor = at["monitor"]
         peak = monitor.finish()
-        cpu = proc_cpu_seconds(server.pid) - cpu0
-        me = proc_cpu_seconds(os.getpid()) - me0
-        after, refused1, alerts = server.models(), server.refusals(), server.alerts_since(since)
-        bg = background.report()
+        cpu = proc_cpu_seconds(server.pid) - at["cpu0"]
+        me = proc_cpu_seconds(os.getpid()) - at["me0"]
+        after, refused1, alerts = server.models(), server.refusals(), server.alerts_since(at["since"])
+        bg = at["background"].report()
     finally:
         ended = server.stop()
+    before, refused0 = at["before"], at["refused0"]
     c0, c1 = counters(before), counters(after)
     deltas = {n: (c1[n][0] - c0.get(n, (0, 0))[0], c1[n][1] - c0.get(n, (0, 0))[1]) for n in c1}
+    timed = [r for r in records["records"] if r[1] >= 0]
     return {
         "name": name, "limit": limit, "budget": budget, "warm_s": warm_s, "idle_rss": idle_rss, "peak_rss": peak,
         "costs": costs, "most_accounted": monitor.most_accounted, "cpu": cpu, "client_cpu": me, "wall": wall,
         "background": bg, "ended": ended,
         "models": after, "deltas": deltas, "alerts": alerts,
         "refusals": {k: v - refused0.get(k, 0) for k, v in refused1.items() if v - refused0.get(k, 0)},
-        "most_resident": monitor.most_resident, "records": records["records"], "schedule": schedule,
+        "most_resident": monitor.most_resident, "records": timed, "schedule": schedule,
+        # Heavy work in flight includes the pre-roll's, still running as the timed part starts.
+        "heavy": heavy_intervals(records["records"], tasks),
         "late": records["late"], "unfinished": records["unfinished"],
     }
 
 
-def send_open_loop(server, schedule, args):
-    """Sends each (t, task, request) at start + t from a pool of threads."""
+def send_open_loop(server, schedule, args, at_zero):
+    """Sends each (t, task, request) at start + t from a pool of threads; `at_zero()` is
+    called just before the first request with t >= 0 (the timed part) goes out. Lateness
+    and the wall time are the timed part's."""
     sender = Sender(server.host)
     records, lock, lates = [], threading.Lock(), []
     pool = ThreadPoolExecutor(max_workers=args.workers)
-    start = time.perf_counter() + 0.5
+    start = time.perf_counter() + 0.5 - min([0.0] + [t for t, _, _ in schedule])
+    timed = 0
 
     def one(t, task, req):
         sent = time.perf_counter()
@@ -361,8 +380,14 @@ def send_open_loop(server, schedule, args):
         delay = start + t - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        lates.append(time.perf_counter() - start - t)
+        if t >= 0:
+            if not timed:
+                at_zero()
+            timed += 1
+            lates.append(time.perf_counter() - start - t)
         futures.append(pool.submit(one, t, task, req))
+    if not timed:
+        at_zero()
     deadline = time.perf_counter() + args.drain
     for f in futures:
         left = deadline - time.perf_counter()
@@ -374,9 +399,10 @@ def send_open_loop(server, schedule, args):
             pass
     wall = time.perf_counter() - start
     with lock:
-        finished = list(records)
+        finished = sum(1 for r in records if r[1] >= 0)
+        out = list(records)
     pool.shutdown(wait=False, cancel_futures=True)
-    return {"records": finished, "late": lates, "unfinished": len(schedule) - len(finished), "__wall__": wall}
+    return {"records": out, "late": lates, "unfinished": timed - finished, "__wall__": wall}
 
 
 # --- printing --------------------------------------------------------------------------------
@@ -433,7 +459,7 @@ def print_run(res, tasks, seconds, ncores):
           f"{res['client_cpu'] / res['wall']:.2f} cores; {res['background']}")
     print(f"sends: p99 {percentile(lates, 99) * 1000:.1f} ms, max {lates[-1] * 1000:.1f} ms after their scheduled "
           f"time; server {res['ended']}")
-    heavy = heavy_intervals(res["records"], tasks)
+    heavy = res["heavy"]
     for task in tasks:
         if task.light_target:
             during, quiet = fairness(res["records"], task.name, heavy)
@@ -475,7 +501,7 @@ def print_comparison(tasks, base, lim, base_res, lim_res):
         print(f"{task.name:<12}{fmt_x(g):>14}  {'meets' if g_ok else 'MISSES':<7}{fmt_x(p):>10}  "
               f"{'meets' if p_ok else 'MISSES'}")
     for res in (base_res, lim_res):
-        heavy = heavy_intervals(res["records"], tasks)
+        heavy = res["heavy"]
         for task in tasks:
             if task.light_target:
                 during, _ = fairness(res["records"], task.name, heavy)
@@ -491,6 +517,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=120, help="arrivals for this long per run (default 120)")
+    ap.add_argument("--preroll", type=float, default=20,
+                    help="seconds of the same mix (other arrivals) sent before the timed part, untimed (default 20)")
     ap.add_argument("--seed", type=int, default=20261202, help="seed of the arrivals and payloads")
     ap.add_argument("--rate", action="append", default=[], metavar="TASK=PER_S",
                     help="change a task's rate (e.g. --rate transcribe=0.1); 0 leaves the task out")
@@ -525,26 +553,30 @@ def main(argv=None):
     state_dir = os.path.abspath(args.state_dir) if args.state_dir else os.path.join(workdir, "state")
     tasks = build_tasks(workdir, rates, args.big_models, args.scale)
     schedule = Task.schedule(tasks, args.seconds, args.seed)
+    # The same mix, other arrivals, for --preroll seconds before the timed part: the run is
+    # measured in its steady state, not in the loads and evictions that follow the warm-up.
+    preroll = [(t - args.preroll, task, req) for t, task, req in Task.schedule(tasks, args.preroll, args.seed ^ 0x5EED)]
     ncores = len(os.sched_getaffinity(0))
     print(machine_info())
     print(f"server: {BINARY}; ORT_DYLIB_PATH={os.path.basename(ort_dylib() or 'unset')}; "
           f"flags: {args.server_args or '-'} (limited run also: {args.limited_args or '-'})")
     print(f"open loop, seeded Poisson arrivals (seed {args.seed}) for {args.seconds:.0f} s per run, "
-          f"{len(schedule)} requests; {loadavg()}")
+          f"{len(schedule)} requests, after an untimed pre-roll of {args.preroll:.0f} s ({len(preroll)} requests); "
+          f"{loadavg()}")
     for task in tasks:
         print(f"  {task.name:<12}{task.rate:>6.2f}/s  {task.describe}")
     print(f"weights prepared (snooze prepare, both forms) in {prepare(workdir, state_dir, args.big_models):.1f} s")
     extra = args.server_args.split()
     results = {}
     if "baseline" in runs:
-        results["baseline"] = run("baseline", workdir, state_dir, tasks, schedule, args, None, extra)
+        results["baseline"] = run("baseline", workdir, state_dir, tasks, schedule, args, None, extra, preroll)
     if "limited" in runs:
         limit = args.limit or f"{results['baseline']['idle_rss'] // 2 // MIB}MiB"
         print(f"\nlimited run: host_memory_limit = {limit}"
               + (f" (half of the baseline's idle RSS {results['baseline']['idle_rss'] / MIB:.0f} MiB)"
                  if not args.limit else ""))
         results["limited"] = run("limited", workdir, state_dir, tasks, schedule, args, limit,
-                                 extra + args.limited_args.split())
+                                 extra + args.limited_args.split(), preroll)
     print_footprints(results)
     stats = {name: print_run(res, tasks, args.seconds, ncores) for name, res in results.items()}
     if len(stats) == 2:
