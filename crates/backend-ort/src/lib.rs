@@ -31,6 +31,7 @@ mod external;
 mod model;
 mod onnx_file;
 mod proto;
+mod threads;
 mod weights;
 mod whisper;
 
@@ -45,12 +46,14 @@ const HOW_TO_FIX: &str = "run `make prepare` (it installs onnxruntime into .venv
 
 /// ONNX Runtime can be loaded once per process: the library it was loaded from
 /// and the environment every session shares, or why that failed.
-static RUNTIME: OnceLock<Result<(PathBuf, Environment), String>> = OnceLock::new();
+static RUNTIME: OnceLock<Result<(PathBuf, Environment, ThreadPool), String>> = OnceLock::new();
 
 /// The `onnx` backend. Cheap to clone; every clone shares the one runtime.
 #[derive(Clone)]
 pub struct OrtBackend {
     env: Environment,
+    /// The shared pool's settings, which a low-priority model's own pool copies.
+    pool: ThreadPool,
     /// The runtime library (part of the ORT-format cache key).
     library: PathBuf,
     /// Where ORT-format copies of models are kept; `None`: `compact` and `mapped` fall
@@ -90,7 +93,7 @@ impl OrtBackend {
     /// returned again.
     pub fn with_pool(dylib_path: Option<&Path>, pool: ThreadPool) -> Result<OrtBackend, String> {
         let path = locate_library(dylib_path, std::env::var_os("ORT_DYLIB_PATH"))?;
-        let (loaded, env) =
+        let (loaded, env, pool) =
             RUNTIME.get_or_init(|| init_runtime(&path, pool)).as_ref().map_err(Clone::clone)?;
         if *loaded != path {
             tracing::warn!(
@@ -101,6 +104,7 @@ impl OrtBackend {
         }
         Ok(OrtBackend {
             env: env.clone(),
+            pool: *pool,
             library: loaded.clone(),
             cache_dir: None,
             release_activations: true,
@@ -176,14 +180,16 @@ impl OrtBackend {
     ) -> Result<(Vec<Runner>, Option<ModelBytes>, u64), LoadError> {
         let failed = |e: &str| errors::load_error(&spec.name, file, e);
         let n = spec.instances.max(1);
-        // Threads come from the environment's global pool (see `ThreadPool`).
+        // Threads come from the environment's global pool (see `ThreadPool`), or a
+        // low-priority pool of the session's own (see `threads`).
         let builder = |prepack: bool| {
-            Session::builder(&self.env)
+            let b = Session::builder(&self.env)
                 .map_err(|e| failed(e.message()))?
                 .with_optimization_level(GraphOptimizationLevel::All)
                 .map_err(|e| failed(e.message()))?
                 .with_prepacking(prepack)
-                .map_err(|e| failed(e.message()))
+                .map_err(|e| failed(e.message()))?;
+            threads::with_threads(b, spec, self.pool).map_err(|e| failed(&e))
         };
         match spec.weights {
             Weights::Prepacked | Weights::Auto => {
@@ -291,7 +297,7 @@ fn locate_library(arg: Option<&Path>, env_var: Option<std::ffi::OsString>) -> Re
     std::fs::canonicalize(&path).map_err(|e| format!("cannot resolve {}: {e}", path.display()))
 }
 
-fn init_runtime(path: &Path, pool: ThreadPool) -> Result<(PathBuf, Environment), String> {
+fn init_runtime(path: &Path, pool: ThreadPool) -> Result<(PathBuf, Environment, ThreadPool), String> {
     let failed = |e: &dyn std::fmt::Display| {
         format!("cannot initialise ONNX Runtime from {}: {e}; {HOW_TO_FIX}", path.display())
     };
@@ -314,7 +320,7 @@ fn init_runtime(path: &Path, pool: ThreadPool) -> Result<(PathBuf, Environment),
     let env = built?;
     warm_up(&env);
     tracing::info!(library = %path.display(), "ONNX Runtime loaded");
-    Ok((path.to_path_buf(), env))
+    Ok((path.to_path_buf(), env, pool))
 }
 
 /// Creates and drops one trivial session, so the runtime's one-time costs (kernel
@@ -493,7 +499,7 @@ impl Backend for OrtBackend {
         }
         if task_of(&spec.path) == Task::Transcription {
             let cache = self.cache_dir.as_deref().map(|dir| (dir, self.library.as_path()));
-            return whisper::load(&self.env, spec, self.release_activations, cache);
+            return whisper::load(&self.env, self.pool, spec, self.release_activations, cache);
         }
         let file = resolve_model_file(&spec.path)
             .map_err(|e| LoadError::Failed(format!("cannot load model '{}': {e}", spec.name)))?;

@@ -23,7 +23,7 @@ use snooze_speech::whisper::{
     is_whisper_folder, CrossKv, DecoderInput, DecoderOutput, WhisperConfig, WhisperEngine, WhisperModel,
 };
 
-use crate::{errors, estimate, weights};
+use crate::{errors, estimate, threads, weights, ThreadPool};
 
 /// The KServe platform name of a Whisper model served by this backend.
 pub const PLATFORM: &str = "onnxruntime_whisper";
@@ -121,11 +121,13 @@ pub(crate) fn prepare(
 }
 
 /// Loads a Whisper folder: both sessions (the crate's defaults: full graph
-/// optimisation, prepacked weights, the environment's thread pool) — from their saved
+/// optimisation, prepacked weights, the environment's thread pool or, for a model of low
+/// CPU priority, a low-priority one of their own) — from their saved
 /// prepacked copies in `cache` (directory, runtime library) when they exist — then the
 /// model.
 pub(crate) fn load(
     env: &Environment,
+    pool: ThreadPool,
     spec: &LoadSpec,
     release: bool,
     cache: Option<(&Path, &Path)>,
@@ -143,12 +145,14 @@ pub(crate) fn load(
         let source = cache
             .and_then(|(dir, library)| weights::cached_prepacked_file(file, dir, library))
             .unwrap_or_else(|| file.to_path_buf());
-        Session::builder(env)
+        let builder = Session::builder(env)
             .map_err(|e| failed(e.message()))?
             .with_optimization_level(GraphOptimizationLevel::All)
             .map_err(|e| failed(e.message()))?
             .with_prepacking(true)
-            .map_err(|e| failed(e.message()))?
+            .map_err(|e| failed(e.message()))?;
+        threads::with_threads(builder, spec, pool)
+            .map_err(|e| failed(&e))?
             .commit_from_file(&source)
             .map_err(|e| failed(e.message()))
     };

@@ -133,6 +133,10 @@ pub struct LoadSpec {
     pub instances: usize,
     /// How the weights are held (resolved: never `Auto` here).
     pub weights: Weights,
+    /// The runtime threads of its runs at a lower CPU priority (see
+    /// [`crate::lifecycle::ModelPolicy::low_cpu_priority`]); a backend that cannot set
+    /// them runs as usual.
+    pub low_cpu_priority: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -249,25 +249,42 @@ pub fn return_large_blocks() -> bool {
     false
 }
 
-/// Returns freed heap to the OS. glibc keeps freed arenas otherwise, so an unloaded
-/// model would still count against the cgroup and RSS.
-/// Lowers the calling thread's CPU priority (nice 10), for background work that must not
-/// take the cores from requests: on a busy machine it gets about a tenth of a core's
-/// share. Not 19: at the lowest weight (1.5% of a busy core) a one-second conversion
-/// could wait minutes beside a benchmark or a compiler. A thread cannot raise its priority back
-/// without privileges, so only threads that end with their work call this.
+/// Lowers the calling thread's CPU priority to nice 10 (unless it is lower already), for
+/// work that must not take the cores from requests: beside a busy thread of nice 0 it
+/// gets about a tenth of a core's share. Not 19: at the lowest weight (1.5% of a busy
+/// core) a one-second conversion could wait minutes beside a benchmark or a compiler. A
+/// thread cannot raise its priority back without privileges, so only threads that end
+/// with their work, or do only such work, call this.
 pub fn lower_thread_priority() {
+    const LOW: libc::c_int = 10;
+    if thread_nice().is_some_and(|n| n >= LOW) {
+        return;
+    }
     // SAFETY: gettid takes no arguments; setpriority with PRIO_PROCESS and a thread id
     // changes only that thread's nice value (Linux threads are scheduled one by one).
     let done = unsafe {
         let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-        libc::setpriority(libc::PRIO_PROCESS, tid, 10)
+        libc::setpriority(libc::PRIO_PROCESS, tid, LOW)
     };
     if done != 0 {
         tracing::debug!("cannot lower a background thread's priority");
     }
 }
 
+/// The calling thread's nice value (-20 to 19), `None` if it cannot be read.
+pub fn thread_nice() -> Option<i32> {
+    // SAFETY: gettid takes no arguments; getpriority only reads. It may return -1 as a
+    // value, so errno is cleared first and read after.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        *libc::__errno_location() = 0;
+        let nice = libc::getpriority(libc::PRIO_PROCESS, tid);
+        (nice != -1 || *libc::__errno_location() == 0).then_some(nice)
+    }
+}
+
+/// Returns freed heap to the OS. glibc keeps freed arenas otherwise, so an unloaded
+/// model would still count against the cgroup and RSS.
 pub fn trim_heap() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only walks glibc's own arenas.

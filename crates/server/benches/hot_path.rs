@@ -195,6 +195,7 @@ fn load(backend: &OrtBackend, models: &Path, name: &str) -> anyhow::Result<Arc<d
         intra_op_threads: 0,
         instances: 1,
         weights: snooze_core::Weights::Prepacked,
+        low_cpu_priority: false,
     };
     backend.load(&spec).map_err(|e| anyhow::anyhow!("{e}"))
 }

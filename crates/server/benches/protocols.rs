@@ -80,6 +80,7 @@ fn main() -> anyhow::Result<()> {
             intra_op_threads: 0,
             instances: 1,
             weights: snooze_core::Weights::Prepacked,
+            low_cpu_priority: false,
         })
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     // Batches up to 512 rows: a [64,256] request runs whole, as it does in-process

@@ -168,6 +168,7 @@ pub fn prepare(config: &Config, mut report: impl FnMut(&str)) -> anyhow::Result<
                 intra_op_threads: config.server.intra_op_threads,
                 instances: 1,
                 weights: form,
+                low_cpu_priority: false,
             };
             let started = std::time::Instant::now();
             match backend.prepare(&spec) {
@@ -238,6 +239,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
             max_concurrency: m.max_concurrency,
             priority: m.priority,
             promotable: promotable(m, weights),
+            low_cpu_priority: m.low_cpu_priority,
         };
         models.push(ModelEntry {
             policy,

@@ -289,6 +289,7 @@ fn prepare_model(
         intra_op_threads,
         instances: 1,
         weights,
+        low_cpu_priority: false,
     };
     backend.prepare(&spec).map_err(|e| anyhow::anyhow!("{e}"))
 }

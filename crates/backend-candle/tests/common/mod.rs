@@ -33,6 +33,7 @@ pub fn spec(dir: PathBuf) -> LoadSpec {
         intra_op_threads: 0,
         instances: 1,
         weights: snooze_core::Weights::Prepacked,
+        low_cpu_priority: false,
     }
 }
 

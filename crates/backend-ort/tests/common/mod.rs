@@ -28,6 +28,7 @@ pub fn cpu(name: &str, path: PathBuf) -> LoadSpec {
         intra_op_threads: 1,
         instances: 1,
         weights: snooze_core::Weights::Prepacked,
+        low_cpu_priority: false,
     }
 }
 

@@ -43,6 +43,10 @@ pub struct ModelPolicy {
     /// keeps serving, in a form that is slow to load but fast on batches once it shows
     /// it stays and batches (see `plan::promote`).
     pub promotable: bool,
+    /// Its runs, and the runtime threads of its sessions, run at a lower CPU priority
+    /// (nice 10): while short requests of other models run, the cores go to them first,
+    /// and the rest of the time to it (long work: a transcription's slices, OCR stages).
+    pub low_cpu_priority: bool,
 }
 
 impl ModelPolicy {
@@ -64,6 +68,7 @@ impl ModelPolicy {
             max_concurrency: 1,
             priority: Priority::Normal,
             promotable: false,
+            low_cpu_priority: false,
         }
     }
 }

@@ -14,6 +14,30 @@ use crate::{
     units::format_bytes,
 };
 
+/// Runs `run` on a blocking thread: for a model of low CPU priority, a thread of its own
+/// that lowers its priority first (a thread cannot raise it back without privileges, so
+/// the shared blocking pool's threads never lower theirs).
+fn spawn_run(low_priority: bool, run: impl FnOnce() + Send + 'static) {
+    if !low_priority {
+        tokio::task::spawn_blocking(run);
+        return;
+    }
+    let run = std::sync::Arc::new(std::sync::Mutex::new(Some(run)));
+    let mine = run.clone();
+    let spawned = std::thread::Builder::new().name("snooze-run-low".into()).spawn(move || {
+        memory::lower_thread_priority();
+        if let Some(run) = mine.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            run();
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start a low-priority run thread: running on the blocking pool");
+        if let Some(run) = run.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            tokio::task::spawn_blocking(run);
+        }
+    }
+}
+
 impl Actor {
     pub(super) fn start_run(&mut self, model: ModelId, reqs: Vec<RequestId>, max_rows: u32) {
         let jobs: Vec<(RequestId, Job)> =
@@ -35,8 +59,9 @@ impl Actor {
             });
             return;
         };
-        let name = self.scheduler.slot(model).policy.name.clone();
-        tokio::task::spawn_blocking(move || {
+        let policy = &self.scheduler.slot(model).policy;
+        let (name, low_priority) = (policy.name.clone(), policy.low_cpu_priority);
+        spawn_run(low_priority, move || {
             let started = Instant::now();
             let work = execution::WORK.begin();
             let (end, grew) = if jobs.is_empty() {
@@ -132,6 +157,7 @@ impl Actor {
             intra_op_threads: self.intra_op_threads,
             instances: policy.max_concurrency.max(1) as usize,
             weights,
+            low_cpu_priority: policy.low_cpu_priority,
         };
         tracing::debug!(model = %spec.name, device = %spec.device, "loading");
         let tx = self.tx.clone();
@@ -189,6 +215,8 @@ impl Actor {
             intra_op_threads: self.intra_op_threads,
             instances: 1,
             weights,
+            // The preparer lowers its own priority (a child process, or its thread).
+            low_cpu_priority: false,
         };
         let tx = self.tx.clone();
         let preparer = self.preparer.clone();

@@ -268,6 +268,7 @@ fn spec(models: &Path, name: &str, weights: Weights) -> LoadSpec {
         intra_op_threads: 0,
         instances: 1,
         weights,
+        low_cpu_priority: false,
     }
 }
 

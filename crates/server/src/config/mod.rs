@@ -115,6 +115,14 @@ pub fn resolve(
     }
     models.sort_by(|a, b| a.name.cmp(&b.name));
     let pipelines = pipelines::pipelines(&file.pipelines, &models)?;
+    // A pipeline's stages run a page's long work: low CPU priority unless set.
+    for p in &pipelines {
+        for stage in [Some(&p.det), p.cls.as_ref(), Some(&p.rec)].into_iter().flatten() {
+            if let Some(m) = models.iter_mut().find(|m| &m.name == stage && !m.cpu_priority_set) {
+                m.low_cpu_priority = true;
+            }
+        }
+    }
     Ok(Config { server, models, pipelines })
 }
 
@@ -182,6 +190,25 @@ mod tests {
     }
 
     #[test]
+    fn cpu_priority_is_low_for_long_work_unless_the_config_says_otherwise() {
+        let d = dir();
+        std::fs::create_dir_all(d.join("repo/w")).unwrap();
+        std::fs::write(d.join("repo/w/whisper.json"), b"{}").unwrap();
+        let text = "[models.det]\npath = \"repo/a\"\n[models.rec]\npath = \"repo/b\"\n\
+                    [models.cls]\npath = \"repo/b\"\ncpu_priority = \"normal\"\n\
+                    [models.plain]\npath = \"repo/b\"\n[models.w]\npath = \"repo/w\"\n\
+                    [models.x]\npath = \"repo/b\"\ncpu_priority = \"low\"\n\
+                    [pipelines.p]\ndet = \"det\"\ncls = \"cls\"\nrec = \"rec\"\n";
+        let c = resolve(parse_file(text, "test").unwrap(), RawServer::default(), None, &d).unwrap();
+        let low: Vec<_> = c.models.iter().map(|m| (m.name.as_str(), m.low_cpu_priority)).collect();
+        assert_eq!(
+            low,
+            [("cls", false), ("det", true), ("plain", false), ("rec", true), ("w", true), ("x", true)],
+            "pipeline stages and Whisper low unless set; the others normal unless set"
+        );
+    }
+
+    #[test]
     fn bad_values_name_the_key() {
         let cases = [
             ("[server]\nheadroom = \"-5MiB\"", "[server] headroom"),
@@ -201,6 +228,7 @@ mod tests {
             ("[models.x]\npath = \"repo/b\"\npriority = \"urgent\"", "[models.x] priority"),
             ("[models.x]\npath = \"repo/b\"\nbatch_delay = \"soon\"", "[models.x] batch_delay"),
             ("[models.x]\npath = \"repo/b\"\nweights = \"light\"", "[models.x] weights"),
+            ("[models.x]\npath = \"repo/b\"\ncpu_priority = \"idle\"", "[models.x] cpu_priority"),
             ("[server]\nqueue_timeout = \"0s\"", "[server] queue_timeout"),
             ("[server]\nintra_op_spinning = \"maybe\"", "[server] intra_op_spinning"),
             ("[server]\nmemory_warning_threshold = 1.5", "[server] memory_warning_threshold"),

@@ -34,6 +34,7 @@ pub struct RawModel {
     pub max_concurrency: Option<Scalar>,
     pub priority: Option<String>,
     pub weights: Option<String>,
+    pub cpu_priority: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,6 +74,12 @@ pub struct ModelSettings {
     pub priority: Priority,
     /// How an ONNX model's weights are held (`Auto` is decided at start).
     pub weights: Weights,
+    /// `cpu_priority = "low"` (true) or `"normal"` (false). Unset: low for the models
+    /// whose runs are long work — Whisper folders here, the stages of a pipeline once
+    /// pipelines are read ([`super::resolve`]) — and normal for the others.
+    pub low_cpu_priority: bool,
+    /// Whether the config set `cpu_priority` (a pipeline then leaves it as it is).
+    pub cpu_priority_set: bool,
 }
 
 pub(super) fn model_settings(
@@ -144,6 +151,14 @@ pub(super) fn model_settings(
             err(&key("weights"), format!("'{w}' is not \"auto\", \"prepacked\", \"compact\" or \"mapped\""))
         })?,
     };
+    let low_cpu_priority = match raw.cpu_priority.as_deref() {
+        None => snooze_speech::whisper::is_whisper_folder(&path),
+        Some("low") => true,
+        Some("normal") => false,
+        Some(other) => {
+            return Err(err(&key("cpu_priority"), format!("'{other}' is not \"low\" or \"normal\"")))
+        }
+    };
     let batch_delay = match &raw.batch_delay {
         None => Duration::ZERO,
         Some(v) => parse_duration(&v.to_string()).map_err(|e| err(&key("batch_delay"), e))?,
@@ -155,6 +170,8 @@ pub(super) fn model_settings(
         max_concurrency: whole("max_concurrency", &raw.max_concurrency, 1, 1)? as u32,
         priority,
         weights,
+        low_cpu_priority,
+        cpu_priority_set: raw.cpu_priority.is_some(),
         name: name.to_string(),
         backend,
         path,

@@ -47,6 +47,7 @@ pub fn models() -> &'static Models {
                 intra_op_threads: 1,
                 instances: 1,
                 weights: snooze_core::Weights::Prepacked,
+                low_cpu_priority: false,
             };
             backend.load(&spec).unwrap()
         };

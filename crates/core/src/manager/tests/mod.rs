@@ -68,6 +68,10 @@ struct FakeBackend {
     gate: Arc<Gate>,
     /// Rows of every run, in order.
     runs: Arc<Mutex<Vec<i64>>>,
+    /// The nice value of the thread each run ran on, in order.
+    run_nice: Arc<Mutex<Vec<Option<i32>>>>,
+    /// Each load's model and whether it asked for low CPU priority.
+    low_asked: Mutex<Vec<(String, bool)>>,
 }
 
 struct FakeModel {
@@ -78,6 +82,7 @@ struct FakeModel {
     max_batch: Arc<AtomicU64>,
     gate: Arc<Gate>,
     runs: Arc<Mutex<Vec<i64>>>,
+    run_nice: Arc<Mutex<Vec<Option<i32>>>>,
 }
 
 impl Drop for FakeModel {
@@ -100,6 +105,7 @@ impl LoadedModel for FakeModel {
             assert!(!v.iter().any(|x| *x < -1000.0), "fake: a value below -1000 makes the backend panic");
         }
         self.runs.lock().unwrap().push(rows);
+        self.run_nice.lock().unwrap().push(crate::memory::thread_nice());
         if rows as u64 > self.max_batch.load(Ordering::SeqCst) {
             return Err(InferError::OutOfMemory("fake: batch too large".into()));
         }
@@ -135,8 +141,9 @@ impl Backend for FakeBackend {
     fn signature(&self, _: &std::path::Path) -> Result<ModelSignature, LoadError> {
         Ok(batch_signature())
     }
-    fn load(&self, _: &LoadSpec) -> Result<Arc<dyn LoadedModel>, LoadError> {
+    fn load(&self, spec: &LoadSpec) -> Result<Arc<dyn LoadedModel>, LoadError> {
         self.loads.fetch_add(1, Ordering::SeqCst);
+        self.low_asked.lock().unwrap().push((spec.name.clone(), spec.low_cpu_priority));
         if let Some(e) = self.fail.lock().unwrap().clone() {
             return Err(e);
         }
@@ -153,6 +160,7 @@ impl Backend for FakeBackend {
             max_batch: self.max_batch.clone(),
             gate: self.gate.clone(),
             runs: self.runs.clone(),
+            run_nice: self.run_nice.clone(),
         }))
     }
 }
@@ -190,6 +198,8 @@ fn setup_full(
         max_batch: Arc::new(AtomicU64::new(u64::MAX)),
         gate,
         runs: Arc::default(),
+        run_nice: Arc::default(),
+        low_asked: Mutex::default(),
     });
     let models = names
         .iter()
@@ -579,4 +589,27 @@ async fn an_unload_waiting_on_a_long_run_answers_within_the_bound_and_still_happ
     running.await.unwrap().unwrap();
     until(&s.m, "a", StateName::Unloaded).await;
     assert_eq!(s.free.load(Ordering::SeqCst), 250 * MB, "the unload went on once the run ended");
+}
+
+#[tokio::test]
+async fn a_model_of_low_cpu_priority_loads_for_it_and_runs_on_a_thread_of_lower_priority() {
+    let s = setup_with(&["long", "short"], KeepAlive::Forever, |p| p.low_cpu_priority = p.name == "long");
+    // The blocking pool's threads have the priority the process started with.
+    let normal = crate::memory::thread_nice().expect("this thread's nice value");
+    for _ in 0..2 {
+        s.m.infer("long", None, rows(1, 0.0), vec![]).await.unwrap();
+        s.m.infer("short", None, rows(1, 0.0), vec![]).await.unwrap();
+    }
+    assert_eq!(
+        *s.backend.low_asked.lock().unwrap(),
+        [("long".to_string(), true), ("short".to_string(), false)],
+        "the backend is asked for low-priority runtime threads for the long model only"
+    );
+    let low = Some(normal.max(10));
+    assert_eq!(
+        *s.backend.run_nice.lock().unwrap(),
+        [low, Some(normal), low, Some(normal)],
+        "the long model's runs on threads at nice 10, the short one's as the process; the shared \
+         pool's threads are never lowered"
+    );
 }
