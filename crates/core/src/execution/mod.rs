@@ -7,6 +7,7 @@
 //! This runs on a blocking thread; it never sees the scheduler.
 
 mod batch;
+pub(crate) mod low_priority;
 mod meter;
 mod task;
 #[cfg(test)]

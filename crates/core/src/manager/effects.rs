@@ -14,27 +14,14 @@ use crate::{
     units::format_bytes,
 };
 
-/// Runs `run` on a blocking thread: for a model of low CPU priority, a thread of its own
-/// that lowers its priority first (a thread cannot raise it back without privileges, so
-/// the shared blocking pool's threads never lower theirs).
+/// Runs `run` on a blocking thread: for a model of low CPU priority, a kept thread at
+/// low priority (a thread cannot raise its priority back without privileges, so the
+/// shared blocking pool's threads never lower theirs).
 fn spawn_run(low_priority: bool, run: impl FnOnce() + Send + 'static) {
-    if !low_priority {
+    if low_priority {
+        execution::low_priority::spawn(run);
+    } else {
         tokio::task::spawn_blocking(run);
-        return;
-    }
-    let run = std::sync::Arc::new(std::sync::Mutex::new(Some(run)));
-    let mine = run.clone();
-    let spawned = std::thread::Builder::new().name("snooze-run-low".into()).spawn(move || {
-        memory::lower_thread_priority();
-        if let Some(run) = mine.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            run();
-        }
-    });
-    if let Err(e) = spawned {
-        tracing::warn!(error = %e, "cannot start a low-priority run thread: running on the blocking pool");
-        if let Some(run) = run.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            tokio::task::spawn_blocking(run);
-        }
     }
 }
 
