@@ -38,12 +38,11 @@ pub(crate) fn spawn(run: impl FnOnce() + Send + 'static) {
 
 impl Pool {
     fn spawn(&'static self, run: Run) {
-        let pool = self;
-        let mut state = pool.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         state.queued.push_back(run);
         if state.idle >= state.queued.len() {
             drop(state);
-            pool.work.notify_one();
+            self.work.notify_one();
             return;
         }
         drop(state);
@@ -51,13 +50,13 @@ impl Pool {
             crate::memory::lower_thread_priority();
             loop {
                 let run = {
-                    let mut state = pool.state.lock().unwrap_or_else(|p| p.into_inner());
+                    let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
                     loop {
                         if let Some(run) = state.queued.pop_front() {
                             break run;
                         }
                         state.idle += 1;
-                        state = pool.work.wait(state).unwrap_or_else(|p| p.into_inner());
+                        state = self.work.wait(state).unwrap_or_else(|p| p.into_inner());
                         state.idle -= 1;
                     }
                 };
@@ -67,7 +66,7 @@ impl Pool {
         if let Err(e) = started {
             tracing::warn!(error = %e, "cannot start a low-priority run thread: this run goes to the blocking pool");
             tokio::task::spawn_blocking(move || {
-                let run = pool.state.lock().unwrap_or_else(|p| p.into_inner()).queued.pop_front();
+                let run = self.state.lock().unwrap_or_else(|p| p.into_inner()).queued.pop_front();
                 if let Some(run) = run {
                     run();
                 }
