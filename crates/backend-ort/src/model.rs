@@ -197,6 +197,19 @@ impl LoadedModel for OrtModel {
     }
 }
 
+/// A session builder for serving: every graph optimisation, prepacking as asked, and
+/// ONNX Runtime's memory pattern as asked (see [`OrtBackend::with_memory_pattern`]).
+pub(crate) fn serving_builder(
+    env: &ort::environment::Environment,
+    prepack: bool,
+    memory_pattern: bool,
+) -> ort::Result<ort::session::builder::SessionBuilder> {
+    Ok(Session::builder(env)?
+        .with_optimization_level(ort::session::builder::GraphOptimizationLevel::All)?
+        .with_prepacking(prepack)?
+        .with_memory_pattern(memory_pattern)?)
+}
+
 /// Options of a run; `release`: the session's arena frees what the run allocated and no
 /// longer uses when it ends, instead of keeping it for the next run (see
 /// `OrtBackend::with_activations_released`).

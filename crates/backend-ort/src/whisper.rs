@@ -15,7 +15,7 @@ use std::{
 
 use ort::{
     environment::Environment,
-    session::{builder::GraphOptimizationLevel, Session, SessionInputValue, SessionOutputs},
+    session::{Session, SessionInputValue, SessionOutputs},
     value::TensorRef,
 };
 use snooze_core::{FootprintEstimate, InferError, LoadError, LoadSpec, LoadedModel, ModelSignature, Weights};
@@ -23,7 +23,7 @@ use snooze_speech::whisper::{
     is_whisper_folder, CrossKv, DecoderInput, DecoderOutput, WhisperConfig, WhisperEngine, WhisperModel,
 };
 
-use crate::{errors, estimate, threads, weights, ThreadPool};
+use crate::{errors, estimate, model::serving_builder, threads, weights, OrtBackend};
 
 /// The KServe platform name of a Whisper model served by this backend.
 pub const PLATFORM: &str = "onnxruntime_whisper";
@@ -125,13 +125,8 @@ pub(crate) fn prepare(
 /// CPU priority, a low-priority one of their own) — from their saved
 /// prepacked copies in `cache` (directory, runtime library) when they exist — then the
 /// model.
-pub(crate) fn load(
-    env: &Environment,
-    pool: ThreadPool,
-    spec: &LoadSpec,
-    release: bool,
-    cache: Option<(&Path, &Path)>,
-) -> Result<Arc<dyn LoadedModel>, LoadError> {
+pub(crate) fn load(backend: &OrtBackend, spec: &LoadSpec) -> Result<Arc<dyn LoadedModel>, LoadError> {
+    let cache = backend.cache_dir.as_deref().map(|dir| (dir, backend.library.as_path()));
     let config = WhisperConfig::read(&spec.path).map_err(LoadError::Failed)?;
     let session = |file: &Path| {
         let failed = |e: &str| errors::load_error(&spec.name, file, e);
@@ -145,20 +140,16 @@ pub(crate) fn load(
         let source = cache
             .and_then(|(dir, library)| weights::cached_prepacked_file(file, dir, library))
             .unwrap_or_else(|| file.to_path_buf());
-        let builder = Session::builder(env)
-            .map_err(|e| failed(e.message()))?
-            .with_optimization_level(GraphOptimizationLevel::All)
-            .map_err(|e| failed(e.message()))?
-            .with_prepacking(true)
-            .map_err(|e| failed(e.message()))?;
-        threads::with_threads(builder, spec, pool)
+        let builder =
+            serving_builder(&backend.env, true, backend.memory_pattern).map_err(|e| failed(e.message()))?;
+        threads::with_threads(builder, spec, backend.pool)
             .map_err(|e| failed(&e))?
             .commit_from_file(&source)
             .map_err(|e| failed(e.message()))
     };
     let encoder = session(&config.encoder_path(&spec.path))?;
     let decoder = session(&config.decoder_path(&spec.path))?;
-    let engine = OrtWhisper::new(&spec.name, &config, encoder, decoder, release);
+    let engine = OrtWhisper::new(&spec.name, &config, encoder, decoder, backend.release_activations);
     let model = WhisperModel::new(&spec.name, &spec.path, Box::new(engine), PLATFORM)
         .map_err(|e| LoadError::Failed(format!("cannot load model '{}': {e}", spec.name)))?;
     // Session creation reads and parses both files into buffers freed by now; glibc keeps
