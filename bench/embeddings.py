@@ -47,7 +47,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = os.path.join(ROOT, "models")
 MODEL = os.path.join(MODELS, "minilm")
-BINARY = os.path.join(ROOT, "target", "release", "snooze")
+BINARY = os.environ.get("SNOOZE_BIN") or os.path.join(ROOT, "target", "release", "snooze")
 SENTENCES = [
     "The cat sat on the mat.", "A quick brown fox jumps over the lazy dog.", "How do I reset my password?",
     "Memory is the scarce resource on this machine.", "Embeddings map text to vectors.",
