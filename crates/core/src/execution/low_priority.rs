@@ -23,8 +23,11 @@ struct Pool {
 #[derive(Default)]
 struct State {
     queued: VecDeque<Run>,
-    /// Threads waiting for a run.
-    idle: usize,
+    /// Threads started (kept for good).
+    threads: usize,
+    /// Threads inside a run. The others are waiting, or about to look at the queue once
+    /// more: either way they take a queued run without a thread of its own.
+    running: usize,
 }
 
 static POOL: OnceLock<Pool> = OnceLock::new();
@@ -40,37 +43,46 @@ impl Pool {
     fn spawn(&'static self, run: Run) {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         state.queued.push_back(run);
-        if state.idle >= state.queued.len() {
+        if state.threads - state.running >= state.queued.len() {
             drop(state);
             self.work.notify_one();
             return;
         }
+        state.threads += 1;
         drop(state);
         let started = std::thread::Builder::new().name("snooze-run-low".into()).spawn(move || {
             crate::memory::lower_thread_priority();
+            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
             loop {
-                let run = {
-                    let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-                    loop {
-                        if let Some(run) = state.queued.pop_front() {
-                            break run;
-                        }
-                        state.idle += 1;
-                        state = self.work.wait(state).unwrap_or_else(|p| p.into_inner());
-                        state.idle -= 1;
-                    }
-                };
-                run();
+                if let Some(run) = state.queued.pop_front() {
+                    state.running += 1;
+                    drop(state);
+                    run();
+                    state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                    state.running -= 1;
+                    continue;
+                }
+                state = self.work.wait(state).unwrap_or_else(|p| p.into_inner());
             }
         });
         if let Err(e) = started {
             tracing::warn!(error = %e, "cannot start a low-priority run thread: this run goes to the blocking pool");
+            self.state.lock().unwrap_or_else(|p| p.into_inner()).threads -= 1;
             tokio::task::spawn_blocking(move || {
                 let run = self.state.lock().unwrap_or_else(|p| p.into_inner()).queued.pop_front();
                 if let Some(run) = run {
                     run();
                 }
             });
+        }
+    }
+
+    /// Waits until no kept thread is inside a run (tests: a run that has sent its result
+    /// may not have returned yet).
+    #[cfg(test)]
+    fn wait_until_quiet(&self) {
+        while self.state.lock().unwrap_or_else(|p| p.into_inner()).running > 0 {
+            std::thread::yield_now();
         }
     }
 }
@@ -98,6 +110,7 @@ mod tests {
         assert_ne!(first[0].0, first[1].0, "two runs at once, two threads");
         // One after another: a kept thread takes each.
         for _ in 0..3 {
+            pool.wait_until_quiet();
             let tx = tx.clone();
             pool.spawn(Box::new(move || {
                 tx.send((std::thread::current().id(), crate::memory::thread_nice())).unwrap()
@@ -107,5 +120,7 @@ mod tests {
             assert!(nice.is_some_and(|n| n >= 10), "nice {nice:?}");
         }
         assert!(first.iter().all(|(_, n)| n.is_some_and(|n| n >= 10)), "{first:?}");
+        pool.wait_until_quiet();
+        assert_eq!(pool.state.lock().unwrap().threads, 2, "as many threads as runs ever ran at once");
     }
 }
