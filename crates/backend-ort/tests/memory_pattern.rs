@@ -8,34 +8,17 @@
 
 mod common;
 
-use common::{backend, cpu, model};
-use snooze_core::{memory, Backend, Tensor, TensorData};
+use common::{backend, detector_kept_mib};
 
-/// Private memory two runs of the detector on pages of `height` x `width` leave in its
-/// session's arena (activations kept, not released), MiB. The pattern is planned by a
-/// shape's first run and used from its second (a PDF's pages, Whisper's windows).
+/// What two runs of the detector on pages of `height` x `width` leave in its session's
+/// arena (activations kept, not released), MiB. The pattern is planned by a shape's first
+/// run and used from its second (a PDF's pages, Whisper's windows).
 fn arena_after_a_page(pattern: Option<bool>, height: usize, width: usize) -> f64 {
     let mut b = backend().with_activations_released(false);
     if let Some(pattern) = pattern {
         b = b.with_memory_pattern(pattern);
     }
-    let m = b.load(&cpu("ocr-det", model("ocr-det"))).unwrap();
-    memory::trim_heap();
-    let before = memory::process_private_bytes();
-    let page = Tensor::new(
-        "x",
-        vec![1, 3, height as i64, width as i64],
-        TensorData::Fp32(vec![0.5; 3 * height * width]),
-    );
-    for _ in 0..2 {
-        drop(m.infer(std::slice::from_ref(&page), &[]).unwrap());
-    }
-    drop(page);
-    memory::trim_heap();
-    let kept = memory::process_private_bytes().saturating_sub(before) as f64 / 1048576.0;
-    drop(m);
-    memory::trim_heap();
-    kept
+    detector_kept_mib(&b, height, width, 2)
 }
 
 #[test]

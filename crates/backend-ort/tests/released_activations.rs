@@ -7,24 +7,12 @@
 
 mod common;
 
-use common::{backend, cpu, model};
-use snooze_core::{memory, Backend, Tensor, TensorData};
+use common::{backend, detector_kept_mib};
+use snooze_core::memory;
 
 /// Private memory a first run of the detector on a 736x960 page leaves resident, MiB.
 fn kept_after_a_page(release: bool) -> f64 {
-    let b = backend().with_activations_released(release);
-    let m = b.load(&cpu("ocr-det", model("ocr-det"))).unwrap();
-    memory::trim_heap();
-    let before = memory::process_private_bytes();
-    let page = Tensor::new("x", vec![1, 3, 736, 960], TensorData::Fp32(vec![0.5; 3 * 736 * 960]));
-    let out = m.infer(std::slice::from_ref(&page), &[]).unwrap();
-    drop(out);
-    drop(page);
-    memory::trim_heap();
-    let kept = memory::process_private_bytes().saturating_sub(before) as f64 / 1048576.0;
-    drop(m);
-    memory::trim_heap();
-    kept
+    detector_kept_mib(&backend().with_activations_released(release), 736, 960, 1)
 }
 
 #[test]

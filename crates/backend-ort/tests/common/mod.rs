@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use snooze_backend_ort::OrtBackend;
-use snooze_core::{Device, LoadSpec};
+use snooze_core::{memory, Backend, Device, LoadSpec, Tensor, TensorData};
 
 /// The backend over the real library. Fails (never skips) without it: these tests
 /// exist to prove the backend works against ONNX Runtime.
@@ -70,4 +70,27 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 /// The largest `|x|`, NaN when any element is NaN.
 pub fn max_abs(a: &[f32]) -> f32 {
     a.iter().fold(0.0, |worst, x| if x.abs() > worst || x.is_nan() { x.abs() } else { worst })
+}
+
+/// Private memory the OCR detector, loaded by `b`, keeps after `runs` runs on one page of
+/// `height` x `width` (its arena's activations, unless runs release them), MiB. The model
+/// is dropped after.
+pub fn detector_kept_mib(b: &OrtBackend, height: usize, width: usize, runs: usize) -> f64 {
+    let m = b.load(&cpu("ocr-det", model("ocr-det"))).unwrap();
+    memory::trim_heap();
+    let before = memory::process_private_bytes();
+    let page = Tensor::new(
+        "x",
+        vec![1, 3, height as i64, width as i64],
+        TensorData::Fp32(vec![0.5; 3 * height * width]),
+    );
+    for _ in 0..runs {
+        drop(m.infer(std::slice::from_ref(&page), &[]).unwrap());
+    }
+    drop(page);
+    memory::trim_heap();
+    let kept = memory::process_private_bytes().saturating_sub(before) as f64 / 1048576.0;
+    drop(m);
+    memory::trim_heap();
+    kept
 }
