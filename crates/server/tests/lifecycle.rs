@@ -104,21 +104,26 @@ fn lru_evictions_refusals_and_memory_given_back() {
     let s = Server::start("lru", &config(), &["--state-dir", state_arg]);
     let rss_before = s.rss();
 
-    // (request, models resident after it): budget for two, LRU evicted.
-    let script: &[(&str, &[&str])] = &[
-        ("m1", &["m1"]),
-        ("m2", &["m1", "m2"]),
-        ("m1", &["m1", "m2"]),
-        ("m3", &["m1", "m3"]), // m2 is the LRU
-        ("m4", &["m3", "m4"]), // m1 is now the LRU
-        ("m3", &["m3", "m4"]),
-        ("m5", &["m3", "m5"]),
-        ("m6", &["m5", "m6"]),
+    // (pause before it, request, models resident after it): budget for two, LRU evicted.
+    // Eviction weighs a model's reload cost (its load plus its first run, measured once
+    // and noisy: page faults on a busy machine made one 100 MB model's first run cost over
+    // twice another's in a CI run) against how often it is asked for. With even pauses
+    // the models' intervals differ only 2x at each eviction, whatever the pause, and that
+    // noise could decide; these pauses make the LRU's victim's interval 6x the other's
+    // or more (a long pause, then a medium one, then the request that evicts).
+    let (short, medium, long) = (0, 800, 4_000);
+    let script: &[(u64, &str, &[&str])] = &[
+        (short, "m1", &["m1"]),
+        (short, "m2", &["m1", "m2"]),
+        (long, "m1", &["m1", "m2"]),
+        (medium, "m3", &["m1", "m3"]), // m2 is the LRU: asked for 4.8 s ago, m1 0.8 s
+        (short, "m4", &["m3", "m4"]),  // m1 now: 0.8 s ago, m3 just now
+        (long, "m3", &["m3", "m4"]),
+        (medium, "m5", &["m3", "m5"]), // m4: 4.8 s ago, m3 0.8 s
+        (short, "m6", &["m5", "m6"]),  // m3: 0.8 s ago, m5 just now
     ];
-    for (step, (model, resident)) in script.iter().enumerate() {
-        // Apart enough that the request intervals, not a few milliseconds of first-run
-        // noise in the reload costs, decide the order.
-        std::thread::sleep(std::time::Duration::from_millis(300));
+    for (step, (pause, model, resident)) in script.iter().enumerate() {
+        std::thread::sleep(std::time::Duration::from_millis(*pause));
         call(&s, model);
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
         while ready_models(&s) != *resident {
