@@ -198,11 +198,7 @@ impl OrtBackend {
         let n = spec.instances.max(1);
         // Threads come from the environment's global pool (see `ThreadPool`), or a
         // low-priority pool of the session's own (see `threads`).
-        let builder = |prepack: bool| {
-            let b =
-                serving_builder(&self.env, prepack, self.memory_pattern).map_err(|e| failed(e.message()))?;
-            threads::with_threads(b, spec, self.pool).map_err(|e| failed(&e))
-        };
+        let builder = |prepack: bool| serving_builder(self, spec, prepack).map_err(|e| failed(&e));
         match spec.weights {
             Weights::Prepacked | Weights::Auto => {
                 // The saved prepacked copy (mapped by the runtime), else the `.onnx` as

@@ -6,9 +6,9 @@ use std::{
 };
 
 use ort::session::{OutputSelector, RunOptions, Session, SessionInputValue, SessionOutputs};
-use snooze_core::{InferError, LoadedModel, ModelSignature, Tensor};
+use snooze_core::{InferError, LoadSpec, LoadedModel, ModelSignature, Tensor};
 
-use crate::{convert, errors, weights::ModelBytes};
+use crate::{convert, errors, threads, weights::ModelBytes, OrtBackend};
 
 /// A session over the runtime's own copy of the model, or one that uses `bytes` in place.
 pub(crate) enum Runner {
@@ -197,17 +197,23 @@ impl LoadedModel for OrtModel {
     }
 }
 
-/// A session builder for serving: every graph optimisation, prepacking as asked, and
-/// ONNX Runtime's memory pattern as asked (see [`OrtBackend::with_memory_pattern`]).
+/// A session builder for serving `spec` on `backend`: every graph optimisation,
+/// prepacking as asked, ONNX Runtime's memory pattern as the backend says (see
+/// [`OrtBackend::with_memory_pattern`]), and the threads the spec's CPU priority gets
+/// (see `threads`). The error is the runtime's message.
 pub(crate) fn serving_builder(
-    env: &ort::environment::Environment,
+    backend: &OrtBackend,
+    spec: &LoadSpec,
     prepack: bool,
-    memory_pattern: bool,
-) -> ort::Result<ort::session::builder::SessionBuilder> {
-    Ok(Session::builder(env)?
-        .with_optimization_level(ort::session::builder::GraphOptimizationLevel::All)?
-        .with_prepacking(prepack)?
-        .with_memory_pattern(memory_pattern)?)
+) -> Result<ort::session::builder::SessionBuilder, String> {
+    let builder = (|| -> ort::Result<ort::session::builder::SessionBuilder> {
+        Ok(Session::builder(&backend.env)?
+            .with_optimization_level(ort::session::builder::GraphOptimizationLevel::All)?
+            .with_prepacking(prepack)?
+            .with_memory_pattern(backend.memory_pattern)?)
+    })()
+    .map_err(|e| e.message().to_string())?;
+    threads::with_threads(builder, spec, backend.pool)
 }
 
 /// Options of a run; `release`: the session's arena frees what the run allocated and no

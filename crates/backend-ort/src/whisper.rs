@@ -23,7 +23,7 @@ use snooze_speech::whisper::{
     is_whisper_folder, CrossKv, DecoderInput, DecoderOutput, WhisperConfig, WhisperEngine, WhisperModel,
 };
 
-use crate::{errors, estimate, model::serving_builder, threads, weights, OrtBackend};
+use crate::{errors, estimate, model::serving_builder, weights, OrtBackend};
 
 /// The KServe platform name of a Whisper model served by this backend.
 pub const PLATFORM: &str = "onnxruntime_whisper";
@@ -140,9 +140,7 @@ pub(crate) fn load(backend: &OrtBackend, spec: &LoadSpec) -> Result<Arc<dyn Load
         let source = cache
             .and_then(|(dir, library)| weights::cached_prepacked_file(file, dir, library))
             .unwrap_or_else(|| file.to_path_buf());
-        let builder =
-            serving_builder(&backend.env, true, backend.memory_pattern).map_err(|e| failed(e.message()))?;
-        threads::with_threads(builder, spec, backend.pool)
+        serving_builder(backend, spec, true)
             .map_err(|e| failed(&e))?
             .commit_from_file(&source)
             .map_err(|e| failed(e.message()))
