@@ -112,6 +112,7 @@ pub(crate) fn prepacked_file(
     }
     std::fs::rename(&tmp, &dir)
         .map_err(|e| format!("cannot move the prepacked copy to {}: {e}", dir.display()))?;
+    remember_source(onnx, cache_dir, runtime);
     log_made("saved a prepacked copy", onnx, &dir, started);
     Ok(model)
 }
@@ -145,6 +146,7 @@ pub(crate) fn mapped_copy(onnx: &Path, cache_dir: &Path, runtime: &Path) -> Resu
     let started = std::time::Instant::now();
     let made = external::copy(onnx, &dir)?;
     if made.is_some() {
+        remember_source(onnx, cache_dir, runtime);
         log_made("made a mapped copy", onnx, &dir, started);
     }
     Ok(made)
@@ -210,6 +212,7 @@ pub(crate) fn ort_format_file(
     }
     std::fs::rename(&tmp, &target)
         .map_err(|e| format!("cannot move the converted model to {}: {e}", target.display()))?;
+    remember_source(onnx, cache_dir, runtime);
     log_made("converted to the ORT format", onnx, &target, started);
     Ok(target)
 }
@@ -234,9 +237,12 @@ pub(crate) fn tmp_path(target: &Path) -> PathBuf {
     target.with_file_name(format!("{name}.tmp-{}-{attempt}", std::process::id()))
 }
 
-/// Creates `cache_dir` if need be and, the first time this process writes to it, sweeps it.
+/// Creates `cache_dir` if need be, removes the copies of replaced model versions (a new
+/// version's first copy is made just after) and, the first time this process writes to
+/// it, sweeps what stopped processes left.
 fn open_cache(cache_dir: &Path) -> Result<(), String> {
     std::fs::create_dir_all(cache_dir).map_err(|e| format!("cannot create {}: {e}", cache_dir.display()))?;
+    collect_replaced(cache_dir);
     static SWEPT: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
     let mut swept = SWEPT.lock().unwrap_or_else(|p| p.into_inner());
     if !swept.iter().any(|d| d == cache_dir) {
@@ -276,6 +282,69 @@ pub(crate) fn sweep(cache_dir: &Path) {
     }
 }
 
+/// Notes, beside `onnx`'s cache entries, the file version they are made from:
+/// `<stem>.source` holds its path and fingerprint (see `collect_replaced`).
+fn remember_source(onnx: &Path, cache_dir: &Path, runtime: &Path) {
+    let fingerprint = snooze_core::learned::fingerprint(onnx);
+    let target = cache_dir.join(format!("{}.source", stem_of(onnx, &fingerprint, runtime)));
+    if target.is_file() {
+        return;
+    }
+    let Ok(path) = std::fs::canonicalize(onnx) else { return };
+    let Some(path) = path.to_str().filter(|p| !p.contains('\n')) else { return };
+    let tmp = tmp_path(&target);
+    let written = std::fs::write(&tmp, format!("{path}\n{fingerprint}\n"))
+        .and_then(|()| std::fs::rename(&tmp, &target));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        tracing::debug!(entry = %target.display(), error = %e, "cannot note which file a cache entry is made from");
+    }
+}
+
+/// Removes the entries (ORT format, mapped and prepacked copies) of every model file version
+/// that was replaced: its `.source` names a file that is still there with another
+/// fingerprint (size and modification time), so no process can ask for these copies again
+/// — every lookup hashes the file as it is now. An update of a model would otherwise leave
+/// up to 4x its size on disk for good. Entries whose file is gone stay (another process
+/// may see it where this one does not: a mount of its own), as do entries of other
+/// runtimes and those made before sources were noted.
+fn collect_replaced(cache_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(cache_dir) else { return };
+    for entry in entries.flatten() {
+        let source = entry.path();
+        let name = entry.file_name();
+        let Some(stem) = name.to_str().and_then(|n| n.strip_suffix(".source")) else { continue };
+        let Ok(text) = std::fs::read_to_string(&source) else { continue };
+        let mut lines = text.lines();
+        let (Some(file), Some(fingerprint)) = (lines.next(), lines.next()) else { continue };
+        let file = Path::new(file);
+        if !file.is_file() || snooze_core::learned::fingerprint(file) == fingerprint {
+            continue;
+        }
+        let mut removed = Vec::new();
+        for suffix in [".ort", ".mapped", ".prepacked"] {
+            let path = cache_dir.join(format!("{stem}{suffix}"));
+            let done = if path.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else if path.is_file() {
+                std::fs::remove_file(&path)
+            } else {
+                continue;
+            };
+            match done {
+                Ok(()) => removed.push(suffix),
+                // The source stays: the next sweep tries again.
+                Err(e) => {
+                    tracing::warn!(entry = %path.display(), error = %e, "cannot remove a replaced model's cache entry");
+                    return;
+                }
+            }
+        }
+        let _ = std::fs::remove_file(&source);
+        tracing::info!(model = %file.display(), entries = ?removed, stem, "removed the cached copies of a replaced version of the model");
+    }
+}
+
 /// The process that wrote a `…tmp-<pid>[-<n>]` entry.
 fn tmp_owner(name: &str) -> Option<u32> {
     let (_, tail) = name.rsplit_once(".tmp-")?;
@@ -301,8 +370,13 @@ fn cache_name(onnx: &Path, runtime: &Path) -> String {
 /// `<stem>-<hash>`: the hash covers the files' fingerprint (size and modification time
 /// of the model and its external data), its path and the runtime library.
 fn cache_stem(onnx: &Path, runtime: &Path) -> String {
+    stem_of(onnx, &snooze_core::learned::fingerprint(onnx), runtime)
+}
+
+/// [`cache_stem`] of `onnx` as it was when its fingerprint was `fingerprint`.
+fn stem_of(onnx: &Path, fingerprint: &str, runtime: &Path) -> String {
     let mut h = DefaultHasher::new();
-    snooze_core::learned::fingerprint(onnx).hash(&mut h);
+    fingerprint.hash(&mut h);
     std::fs::canonicalize(onnx).unwrap_or_else(|_| onnx.to_path_buf()).hash(&mut h);
     runtime.hash(&mut h);
     let stem = onnx
@@ -346,6 +420,92 @@ mod tests {
         for (name, _) in kept {
             assert!(dir.join(name).exists(), "{name} kept");
         }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// The three entries `onnx` can have in `cache`, as files and folders of some bytes.
+    fn entries(onnx: &Path, cache: &Path, runtime: &Path) -> [PathBuf; 3] {
+        let stem = cache_stem(onnx, runtime);
+        let [ort, mapped, prepacked] =
+            [".ort", ".mapped", ".prepacked"].map(|suffix| cache.join(format!("{stem}{suffix}")));
+        std::fs::write(&ort, b"ort").unwrap();
+        for dir in [&mapped, &prepacked] {
+            std::fs::create_dir_all(dir).unwrap();
+            std::fs::write(dir.join("model.onnx"), b"graph").unwrap();
+            std::fs::write(dir.join("model.data"), b"weights").unwrap();
+        }
+        [ort, mapped, prepacked]
+    }
+
+    #[test]
+    fn collecting_removes_the_copies_of_a_replaced_model_version_and_nothing_else() {
+        let dir = std::env::temp_dir().join(format!("snooze-replaced-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cache = dir.join("ort-cache");
+        std::fs::create_dir_all(&cache).unwrap();
+        let runtime = Path::new("/opt/onnxruntime/libonnxruntime.so.1.32.0");
+        let model = |name: &str, bytes: &[u8]| {
+            let onnx = dir.join(name).join("model.onnx");
+            std::fs::create_dir_all(onnx.parent().unwrap()).unwrap();
+            std::fs::write(&onnx, bytes).unwrap();
+            onnx
+        };
+        let (replaced, kept, gone) = (model("a", b"version 1"), model("b", b"b"), model("c", b"c"));
+        let replaced_entries = entries(&replaced, &cache, runtime);
+        let mut kept_entries = vec![cache.join("made-before-sources-0123456789abcdef.ort")];
+        std::fs::write(&kept_entries[0], b"ort").unwrap();
+        for onnx in [&kept, &gone] {
+            kept_entries.extend(entries(onnx, &cache, runtime));
+        }
+        for onnx in [&replaced, &kept, &gone] {
+            remember_source(onnx, &cache, runtime);
+        }
+        let source = cache.join(format!("{}.source", cache_stem(&replaced, runtime)));
+        kept_entries.push(cache.join(format!("{}.source", cache_stem(&kept, runtime))));
+        kept_entries.push(cache.join(format!("{}.source", cache_stem(&gone, runtime))));
+        // Its file deleted, a model keeps its copies (another process may see the file).
+        std::fs::remove_file(&gone).unwrap();
+
+        collect_replaced(&cache);
+        for path in replaced_entries.iter().chain(&kept_entries).chain([&source]) {
+            assert!(path.exists(), "{} removed while its file version is current", path.display());
+        }
+        std::fs::write(&replaced, b"version 2, a new size").unwrap();
+        collect_replaced(&cache);
+        for path in replaced_entries.iter().chain([&source]) {
+            assert!(!path.exists(), "{} of a replaced version kept", path.display());
+        }
+        for path in &kept_entries {
+            assert!(path.exists(), "{} removed", path.display());
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_mapped_copy_notes_its_source_and_goes_when_a_new_version_is_copied() {
+        let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/mlp-10m/model.onnx");
+        assert!(demo.is_file(), "{} is missing: run `make prepare`", demo.display());
+        let dir = std::env::temp_dir().join(format!("snooze-replaced-copy-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (onnx, cache) = (dir.join("mlp/model.onnx"), dir.join("ort-cache"));
+        std::fs::create_dir_all(onnx.parent().unwrap()).unwrap();
+        std::fs::copy(&demo, &onnx).unwrap();
+        let runtime = Path::new("/opt/onnxruntime/libonnxruntime.so.1.32.0");
+        let copy = mapped_copy(&onnx, &cache, runtime).unwrap().expect("inline weights: a mapped copy");
+        let stem = cache_stem(&onnx, runtime);
+        let source = cache.join(format!("{stem}.source"));
+        let noted = std::fs::read_to_string(&source).unwrap();
+        let canonical = std::fs::canonicalize(&onnx).unwrap();
+        assert_eq!(noted, format!("{}\n{}\n", canonical.display(), snooze_core::learned::fingerprint(&onnx)));
+        // A new version of the model at the same path (the same graph and weights, one
+        // byte longer: an empty field at the end): its first copy removes the old one.
+        let mut bytes = std::fs::read(&onnx).unwrap();
+        bytes.extend([0x52, 0x00]); // field 10 (a string), empty
+        std::fs::write(&onnx, bytes).unwrap();
+        let new = mapped_copy(&onnx, &cache, runtime).unwrap().expect("a copy of the new version");
+        assert!(!copy.exists() && !cache.join(format!("{stem}.mapped")).exists() && !source.exists());
+        assert!(new.is_file() && new != copy);
+        assert!(cache.join(format!("{}.source", cache_stem(&onnx, runtime))).is_file());
         let _ = std::fs::remove_dir_all(&dir);
     }
 
