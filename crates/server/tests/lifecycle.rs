@@ -109,18 +109,19 @@ fn lru_evictions_refusals_and_memory_given_back() {
     // and noisy: page faults on a busy machine made one 100 MB model's first run cost over
     // twice another's in a CI run) against how often it is asked for. With even pauses
     // the models' intervals differ only 2x at each eviction, whatever the pause, and that
-    // noise could decide; these pauses make the LRU's victim's interval 6x the other's
-    // or more (a long pause, then a medium one, then the request that evicts).
-    let (short, medium, long) = (0, 800, 4_000);
+    // noise could decide; these pauses make the LRU's victim's interval 20x the other's
+    // or more (a long pause, then a short one, then the request that evicts): a first
+    // run of ~5 ms would have to take over 100 ms to reverse it.
+    let (short, medium, long) = (0, 200, 4_000);
     let script: &[(u64, &str, &[&str])] = &[
         (short, "m1", &["m1"]),
         (short, "m2", &["m1", "m2"]),
         (long, "m1", &["m1", "m2"]),
-        (medium, "m3", &["m1", "m3"]), // m2 is the LRU: asked for 4.8 s ago, m1 0.8 s
-        (short, "m4", &["m3", "m4"]),  // m1 now: 0.8 s ago, m3 just now
+        (medium, "m3", &["m1", "m3"]), // m2 is the LRU: asked for 4.2 s ago, m1 0.2 s
+        (short, "m4", &["m3", "m4"]),  // m1 now: 0.2 s ago, m3 just now
         (long, "m3", &["m3", "m4"]),
-        (medium, "m5", &["m3", "m5"]), // m4: 4.8 s ago, m3 0.8 s
-        (short, "m6", &["m5", "m6"]),  // m3: 0.8 s ago, m5 just now
+        (medium, "m5", &["m3", "m5"]), // m4: 4.2 s ago, m3 0.2 s
+        (short, "m6", &["m5", "m6"]),  // m3: 0.2 s ago, m5 just now
     ];
     for (step, (pause, model, resident)) in script.iter().enumerate() {
         std::thread::sleep(std::time::Duration::from_millis(*pause));

@@ -442,6 +442,11 @@ async fn gc_unloads_idle_unpinned_models_and_reports_them() {
     let s = setup_with(&["a", "b", "p"], KeepAlive::Forever, |p| p.pinned = p.name == "p");
     s.m.infer("a", None, rows(1, 0.0), vec![]).await.unwrap();
     s.m.infer("p", None, rows(1, 0.0), vec![]).await.unwrap();
+    // The answers leave from inside the runs: a is idle (and collectable) only once its
+    // run's end reached the actor.
+    while s.m.status().await[0].leases > 0 {
+        tokio::task::yield_now().await;
+    }
     let report = s.m.gc(None).await;
     assert_eq!(report.models_unloaded, ["a"], "p is pinned, b is not loaded");
     assert_eq!(s.free.load(Ordering::SeqCst), 150 * MB);
