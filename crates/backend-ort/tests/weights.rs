@@ -102,7 +102,12 @@ fn the_ort_format_copy_is_cached_once_outside_the_users_files() {
     );
     drop(b.load(&spec("mlp-10m", Weights::Mapped)).unwrap());
     let listed = || {
-        let mut v: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+        // Each copy's `.source` note (which model version it was made from) is checked apart.
+        let mut v: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_none_or(|e| e != "source"))
+            .collect();
         v.sort();
         v
     };
@@ -112,6 +117,9 @@ fn the_ort_format_copy_is_cached_once_outside_the_users_files() {
     let data = std::fs::metadata(cached[0].join("model.data")).unwrap().len();
     let graph = std::fs::metadata(cached[0].join("model.onnx")).unwrap().len();
     assert!(data >= file - 4096 && graph < 4096, "data {data}, graph {graph}, model {file}");
+    let note = std::fs::read_to_string(cached[0].with_extension("source")).expect("the copy's source note");
+    let onnx = folder.join("model.onnx").canonicalize().unwrap();
+    assert!(note.starts_with(&format!("{}\n", onnx.display())), "{note}");
     b.prepare(&spec("mlp-10m", Weights::Mapped)).unwrap();
     assert_eq!(b.preparation(&folder, Weights::Mapped), None, "nothing pending once converted");
     let cached = listed();
@@ -136,9 +144,11 @@ fn what_a_killed_conversion_left_in_the_cache_goes_at_the_next_load() {
     std::fs::write(&stale, vec![0u8; 4096]).unwrap();
     drop(backend().with_cache_dir(&dir).load(&spec("mlp-10m", Weights::Mapped)).unwrap());
     assert!(!stale.exists(), "a stopped process's half-written copy is removed");
-    let left: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
-    assert_eq!(left.len(), 1, "the mapped copy alone: {left:?}");
-    assert!(left[0].to_str().unwrap().ends_with(".mapped"), "{left:?}");
+    let mut left: Vec<_> =
+        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    left.sort();
+    assert_eq!(left.len(), 2, "the mapped copy and its source note alone: {left:?}");
+    assert!(left[0].ends_with(".mapped") && left[1].ends_with(".source"), "{left:?}");
 }
 
 #[test]
