@@ -45,7 +45,7 @@ use ort::{
     session::{builder::GraphOptimizationLevel, Session},
 };
 
-use crate::external;
+use crate::{external, onnx_file::ModelFile};
 
 /// The bytes a `compact` or `mapped` model is served from: they must outlive its sessions.
 pub(crate) enum ModelBytes {
@@ -285,7 +285,7 @@ pub(crate) fn sweep(cache_dir: &Path) {
 /// Notes, beside `onnx`'s cache entries, the file version they are made from:
 /// `<stem>.source` holds its path and fingerprint (see `collect_replaced`).
 fn remember_source(onnx: &Path, cache_dir: &Path, runtime: &Path) {
-    let fingerprint = snooze_core::learned::fingerprint(onnx);
+    let fingerprint = model_fingerprint(onnx);
     let target = cache_dir.join(format!("{}.source", stem_of(onnx, &fingerprint, runtime)));
     if target.is_file() {
         return;
@@ -318,7 +318,7 @@ fn collect_replaced(cache_dir: &Path) {
         let mut lines = text.lines();
         let (Some(file), Some(fingerprint)) = (lines.next(), lines.next()) else { continue };
         let file = Path::new(file);
-        if !file.is_file() || snooze_core::learned::fingerprint(file) == fingerprint {
+        if !file.is_file() || model_fingerprint(file) == fingerprint {
             continue;
         }
         let mut removed = Vec::new();
@@ -370,7 +370,26 @@ fn cache_name(onnx: &Path, runtime: &Path) -> String {
 /// `<stem>-<hash>`: the hash covers the files' fingerprint (size and modification time
 /// of the model and its external data), its path and the runtime library.
 fn cache_stem(onnx: &Path, runtime: &Path) -> String {
-    stem_of(onnx, &snooze_core::learned::fingerprint(onnx), runtime)
+    stem_of(onnx, &model_fingerprint(onnx), runtime)
+}
+
+/// The fingerprint of `onnx` and of every external-data file it names, so that a new
+/// version of the weights alone (the `.onnx` untouched) is a new model too: its copies
+/// hold the old weights. A model without external data has its file's fingerprint alone,
+/// as before external data was counted, so the copies already made stay valid. Reading
+/// the names walks the graph's headers in a mapping, not the weights.
+fn model_fingerprint(onnx: &Path) -> String {
+    let mut print = snooze_core::learned::fingerprint(onnx);
+    let Ok(model) = ModelFile::read(onnx) else { return print };
+    let dir = onnx.parent().unwrap_or(Path::new("."));
+    let mut locations = model.external_locations;
+    locations.sort();
+    locations.dedup();
+    for location in locations {
+        print.push('+');
+        print.push_str(&snooze_core::learned::fingerprint(&dir.join(location)));
+    }
+    print
 }
 
 /// [`cache_stem`] of `onnx` as it was when its fingerprint was `fingerprint`.
@@ -478,6 +497,39 @@ mod tests {
         for path in &kept_entries {
             assert!(path.exists(), "{} removed", path.display());
         }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn new_external_data_is_a_new_model_version_and_its_old_copies_go() {
+        use crate::proto::{bytes_field as ld, varint_field as varint};
+        let dir = std::env::temp_dir().join(format!("snooze-replaced-data-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cache = dir.join("ort-cache");
+        std::fs::create_dir_all(&cache).unwrap();
+        std::fs::create_dir_all(dir.join("m")).unwrap();
+        let (onnx, data) = (dir.join("m/model.onnx"), dir.join("m/w.bin"));
+        // A graph whose one initializer lives in `w.bin` (data_location = EXTERNAL).
+        let location = [ld(1, b"location"), ld(2, b"w.bin")].concat();
+        let tensor = [ld(8, b"W"), ld(13, &location), varint(14, 1)].concat();
+        std::fs::write(&onnx, [varint(1, 8), ld(7, &ld(5, &tensor))].concat()).unwrap();
+        std::fs::write(&data, b"weights, version 1").unwrap();
+        let runtime = Path::new("/opt/onnxruntime/libonnxruntime.so.1.32.0");
+        let stem = cache_stem(&onnx, runtime);
+        let old = entries(&onnx, &cache, runtime);
+        remember_source(&onnx, &cache, runtime);
+        collect_replaced(&cache);
+        assert!(old.iter().all(|p| p.exists()), "the current version's copies are kept");
+        // New weights, the .onnx untouched: a new version, and the old copies are stale.
+        std::fs::write(&data, b"weights, version 2, longer").unwrap();
+        assert_ne!(cache_stem(&onnx, runtime), stem, "the old copies would serve the old weights");
+        collect_replaced(&cache);
+        for path in old.iter().chain([&cache.join(format!("{stem}.source"))]) {
+            assert!(!path.exists(), "{} of the old weights kept", path.display());
+        }
+        // Without external data, the file's own fingerprint: copies made before stay valid.
+        std::fs::write(&onnx, [varint(1, 8), ld(7, &ld(1, b"node"))].concat()).unwrap();
+        assert_eq!(model_fingerprint(&onnx), snooze_core::learned::fingerprint(&onnx));
         let _ = std::fs::remove_dir_all(&dir);
     }
 
