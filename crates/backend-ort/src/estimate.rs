@@ -111,10 +111,8 @@ fn file_bytes(path: &Path) -> Result<(String, u64, u64), String> {
     let model = std::fs::metadata(&file).map_err(|e| format!("cannot size {}: {e}", file.display()))?.len();
     let parsed = ModelFile::read(&file)
         .map_err(|e| format!("cannot read {} as an ONNX model: {e}", file.display()))?;
-    let dir = file.parent().unwrap_or(Path::new("."));
     let mut external = 0u64;
-    for location in &parsed.external_locations {
-        let data = dir.join(location);
+    for (data, location) in parsed.external_files(&file).zip(&parsed.external_locations) {
         let len = std::fs::metadata(&data)
             .map_err(|e| format!("cannot size external data '{location}' named by {}: {e}", file.display()))?
             .len();

@@ -6,7 +6,11 @@
 //! graph's declarations and the initializers' names and external-data entries.
 //! Field numbers are those of `onnx/onnx.proto3`.
 
-use std::{collections::HashSet, fs::File, path::Path};
+use std::{
+    collections::HashSet,
+    fs::File,
+    path::{Path, PathBuf},
+};
 
 use snooze_core::{DataType, ModelSignature, TensorSpec};
 
@@ -56,6 +60,13 @@ impl ModelFile {
         // rewritten in place while the server reads them.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| format!("cannot map: {e}"))?;
         ModelFile::parse(&map)
+    }
+
+    /// The external-data files this model, read from `onnx`, names: each once, in the
+    /// order the graph first names them, beside the model file.
+    pub(crate) fn external_files<'a>(&'a self, onnx: &Path) -> impl Iterator<Item = PathBuf> + 'a {
+        let dir = onnx.parent().unwrap_or(Path::new(".")).to_path_buf();
+        self.external_locations.iter().map(move |location| dir.join(location))
     }
 
     /// The value of the model's `metadata_props` entry `key` (ModelProto field 14:

@@ -381,13 +381,9 @@ fn cache_stem(onnx: &Path, runtime: &Path) -> String {
 fn model_fingerprint(onnx: &Path) -> String {
     let mut print = snooze_core::learned::fingerprint(onnx);
     let Ok(model) = ModelFile::read(onnx) else { return print };
-    let dir = onnx.parent().unwrap_or(Path::new("."));
-    let mut locations = model.external_locations;
-    locations.sort();
-    locations.dedup();
-    for location in locations {
+    for data in model.external_files(onnx) {
         print.push('+');
-        print.push_str(&snooze_core::learned::fingerprint(&dir.join(location)));
+        print.push_str(&snooze_core::learned::fingerprint(&data));
     }
     print
 }
@@ -442,6 +438,15 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// An empty folder of this test's own under the temp dir, with its `ort-cache` in it.
+    fn scratch(tag: &str) -> (PathBuf, PathBuf) {
+        let dir = std::env::temp_dir().join(format!("snooze-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cache = dir.join("ort-cache");
+        std::fs::create_dir_all(&cache).unwrap();
+        (dir, cache)
+    }
+
     /// The three entries `onnx` can have in `cache`, as files and folders of some bytes.
     fn entries(onnx: &Path, cache: &Path, runtime: &Path) -> [PathBuf; 3] {
         let stem = cache_stem(onnx, runtime);
@@ -458,10 +463,7 @@ mod tests {
 
     #[test]
     fn collecting_removes_the_copies_of_a_replaced_model_version_and_nothing_else() {
-        let dir = std::env::temp_dir().join(format!("snooze-replaced-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let cache = dir.join("ort-cache");
-        std::fs::create_dir_all(&cache).unwrap();
+        let (dir, cache) = scratch("replaced");
         let runtime = Path::new("/opt/onnxruntime/libonnxruntime.so.1.32.0");
         let model = |name: &str, bytes: &[u8]| {
             let onnx = dir.join(name).join("model.onnx");
@@ -503,10 +505,7 @@ mod tests {
     #[test]
     fn new_external_data_is_a_new_model_version_and_its_old_copies_go() {
         use crate::proto::{bytes_field as ld, varint_field as varint};
-        let dir = std::env::temp_dir().join(format!("snooze-replaced-data-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let cache = dir.join("ort-cache");
-        std::fs::create_dir_all(&cache).unwrap();
+        let (dir, cache) = scratch("replaced-data");
         std::fs::create_dir_all(dir.join("m")).unwrap();
         let (onnx, data) = (dir.join("m/model.onnx"), dir.join("m/w.bin"));
         // A graph whose one initializer lives in `w.bin` (data_location = EXTERNAL).
@@ -537,9 +536,8 @@ mod tests {
     fn a_mapped_copy_notes_its_source_and_goes_when_a_new_version_is_copied() {
         let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/mlp-10m/model.onnx");
         assert!(demo.is_file(), "{} is missing: run `make prepare`", demo.display());
-        let dir = std::env::temp_dir().join(format!("snooze-replaced-copy-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let (onnx, cache) = (dir.join("mlp/model.onnx"), dir.join("ort-cache"));
+        let (dir, cache) = scratch("replaced-copy");
+        let onnx = dir.join("mlp/model.onnx");
         std::fs::create_dir_all(onnx.parent().unwrap()).unwrap();
         std::fs::copy(&demo, &onnx).unwrap();
         let runtime = Path::new("/opt/onnxruntime/libonnxruntime.so.1.32.0");
