@@ -119,6 +119,8 @@ class SpeechSdkTest(unittest.TestCase):
             self.assertIsInstance(default, Transcription)
             self.assertWer(reference, default.text, 0.10, what)
             self.assertEqual(self.transcribe(path, response_format="json").text, default.text)
+            # What SDK users often send: English named on an English-only model.
+            self.assertEqual(self.transcribe(path, language="en").text, default.text, what)
 
             text = self.transcribe(path, response_format="text")
             self.assertIsInstance(text, str)

@@ -42,7 +42,9 @@ pub fn options(
         Some(given) => {
             let code = languages::code(given)
                 .ok_or_else(|| ("language", format!("'{given}' is not a language Whisper knows")))?;
-            if config.language(code).is_none() {
+            // An English-only model knows no language list: it takes English and only that.
+            let known = if config.multilingual { config.language(code).is_some() } else { code == "en" };
+            if !known {
                 return Err((
                     "language",
                     format!("this model is English-only: it cannot transcribe '{given}' (use a multilingual model)"),
@@ -118,4 +120,40 @@ pub fn transcript(result: &TranscriptionResult, task: Task) -> Transcript {
         })
         .collect();
     Transcript::from_segments(task, language, result.duration, segments)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use crate::whisper::{tiny_en, Language};
+
+    fn asking(language: &str) -> Request {
+        Request { language: Some(language.into()), ..Request::default() }
+    }
+
+    #[test]
+    fn an_english_only_model_takes_english_by_code_or_name_and_refuses_other_languages() {
+        let config = tiny_en();
+        for english in ["en", "English", " EN "] {
+            let options = options(&config, &asking(english)).unwrap();
+            assert_eq!(options.language.as_deref(), Some("en"), "asked {english:?}");
+        }
+        let (field, message) = options(&config, &asking("fr")).unwrap_err();
+        assert_eq!(field, "language");
+        assert!(message.contains("English-only"), "{message}");
+        assert_eq!(options(&config, &Request::default()).unwrap().language, None);
+    }
+
+    #[test]
+    fn a_multilingual_model_takes_the_languages_it_lists_only() {
+        let mut config = tiny_en();
+        config.multilingual = true;
+        config.languages =
+            vec![Language { code: "en".into(), token: 50259 }, Language { code: "fr".into(), token: 50265 }];
+        assert_eq!(options(&config, &asking("french")).unwrap().language.as_deref(), Some("fr"));
+        assert_eq!(options(&config, &asking("de")).unwrap_err().0, "language");
+        assert_eq!(options(&config, &asking("klingon")).unwrap_err().0, "language");
+    }
 }

@@ -137,7 +137,8 @@ impl WhisperConfig {
         folder.join(&self.decoder)
     }
 
-    /// The language whose code is `code`; English-only models know only `en`.
+    /// The language whose code is `code` among a multilingual model's; an English-only
+    /// model lists none (it transcribes English only).
     pub fn language(&self, code: &str) -> Option<&Language> {
         self.languages.iter().find(|l| l.code == code)
     }

@@ -22,6 +22,9 @@ mod transcription;
 mod tests;
 
 pub use attempt::Thresholds;
+/// tiny.en's descriptor, for the tests of the crate's other modules.
+#[cfg(test)]
+pub(crate) use config::tests::tiny_en;
 pub use config::{is_whisper_folder, Language, SpecialTokens, WhisperConfig, DESCRIPTOR};
 pub use engine::{CrossKv, DecoderInput, DecoderOutput, WhisperEngine};
 pub use kv_cache::{CacheShape, WIDTH_STEP};
