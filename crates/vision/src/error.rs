@@ -33,13 +33,13 @@ pub enum VisionError {
     )]
     EmptyImage { format: &'static str, width: u32, height: u32 },
     #[error(
-        "the {format} image is {width}x{height} = {pixels} pixels, over the limit of {limit} pixels: send it scaled down"
+        "the {format} image is {width}x{height} = {pixels} pixels, over the limit of {limit} pixels (max_image_pixels): send it scaled down"
     )]
     ImageTooLarge { format: &'static str, width: u32, height: u32, pixels: u64, limit: u64 },
     #[error("decoding the {format} image would need more memory than the limit allows: {reason}")]
     DecoderLimit { format: &'static str, reason: String },
     #[error(
-        "the document has {count} pages and at most {limit} are read per request: choose pages with a selection such as \"1-{limit}\""
+        "the document has {count} pages and at most {limit} are read per request (max_pages): choose pages with a selection such as \"1-{limit}\""
     )]
     TooManyPages { count: usize, limit: usize },
     #[error("the page selection {selection:?} is not valid: {reason} (write pages counted from 1, like \"1-3,7\")")]

@@ -15,7 +15,8 @@
 //! (upscaled crops read worse). Letter is 1,275 x 1,650 at 150 DPI.
 //!
 //! hayro does not open password-protected files (an empty user password is tried
-//! and works); such files, and files it cannot parse, are refused with a sentence.
+//! and works); such files, files it cannot parse and files cut short (no `%%EOF` at
+//! their end) are refused with a sentence.
 //! A panic inside the rasteriser is caught and reported as a failed page.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -69,6 +70,15 @@ impl RenderPlan {
 impl PdfDocument {
     /// Reads the document's structure (not its pages' content).
     pub fn open(bytes: Vec<u8>) -> Result<PdfDocument, VisionError> {
+        // A PDF ends with `%%EOF` (a few bytes of junk after it are common, so its last KiB
+        // is searched). Without it the file was cut short: hayro would rebuild what it can
+        // and a page whose content was lost would read as blank, a wrong answer, not an error.
+        let tail = &bytes[bytes.len().saturating_sub(1024)..];
+        if !tail.windows(5).any(|w| w == b"%%EOF") {
+            return Err(VisionError::CorruptPdf {
+                reason: "it does not end with %%EOF: the file is truncated".into(),
+            });
+        }
         let opened = catch_unwind(AssertUnwindSafe(|| Pdf::new(bytes)))
             .map_err(|_| VisionError::CorruptPdf { reason: "its structure could not be parsed".into() })?;
         let pdf = opened.map_err(|e| match e {

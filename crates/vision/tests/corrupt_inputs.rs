@@ -67,6 +67,20 @@ fn every_prefix_is_refused_or_read_without_panicking() {
     }
 }
 
+#[test]
+fn a_pdf_cut_short_is_refused_as_truncated() {
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/ocr_pages");
+    let pdf = std::fs::read(fixtures.join("text.pdf")).unwrap();
+    let end = pdf.windows(5).rposition(|w| w == b"%%EOF").unwrap();
+    // Cut in its header, its page content, its cross-reference table, its trailer.
+    for cut in [300, pdf.len() / 2, end - 40, end + 4] {
+        let err = Document::open(pdf[..cut].to_vec(), &limits()).err().expect("refused");
+        assert!(err.to_string().contains("truncated"), "cut at {cut}: {err}");
+        assert_eq!(err.http_status(), 400);
+    }
+    assert!(Document::open(pdf[..end + 5].to_vec(), &limits()).is_ok());
+}
+
 /// xorshift64: reproducible noise without a dependency.
 fn noise(state: &mut u64) -> u64 {
     *state ^= *state << 13;
