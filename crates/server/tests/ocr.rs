@@ -213,7 +213,13 @@ fn hostile_documents_get_a_clear_4xx_and_change_nothing() {
         ),
         ("an empty file", Vec::new(), vec![], 400, "empty"),
         ("a truncated PNG", small[..small.len() / 3].to_vec(), vec![], 400, "PNG"),
-        ("a 50000 x 50000 PNG", lying_png(50_000, 50_000), vec![], 413, "over the limit of 40000000 pixels"),
+        (
+            "a 50000 x 50000 PNG",
+            lying_png(50_000, 50_000),
+            vec![],
+            413,
+            "over the limit of 40000000 pixels (max_image_pixels)",
+        ),
         (
             "a PDF with a password",
             std::fs::read(fixtures().join("ocr_pages/locked.pdf")).unwrap(),
@@ -234,7 +240,9 @@ fn hostile_documents_get_a_clear_4xx_and_change_nothing() {
         ("an unknown pipeline", small.clone(), vec![("pipeline", "nope")], 404, "no OCR pipeline 'nope'"),
         ("a score out of range", small.clone(), vec![("min_score", "7")], 400, "min_score"),
         ("a dpi out of range", text.clone(), vec![("dpi", "100000")], 400, "dpi"),
+        ("a dpi too low to read", text.clone(), vec![("dpi", "10")], 400, "dpi 10 is not between 36 and 600"),
         ("a flag that is no flag", small.clone(), vec![("use_cls", "maybe")], 400, "use_cls"),
+        ("a misspelt option", text.clone(), vec![("page", "1")], 400, "unknown field 'page'"),
     ];
     for (what, bytes, fields, expected, needle) in cases {
         let (status, body) = ocr(&server, bytes, "doc", &fields);
@@ -242,7 +250,27 @@ fn hostile_documents_get_a_clear_4xx_and_change_nothing() {
         let message =
             body["error"]["message"].as_str().unwrap_or_else(|| panic!("{what}: no message: {body}"));
         assert!(message.contains(needle), "{what}: '{message}' does not say '{needle}'");
+        // A refused option is named, as OpenAI's API names the parameter at fault (a page
+        // past the end is found in the document, not in the option).
+        if let [(option, _)] = fields[..] {
+            if option != "page" && what != "a page past the end" {
+                assert_eq!(body["error"]["param"], option, "{what}: {body}");
+            }
+        }
     }
+    // The document sent under another field name is pointed at `file`.
+    let mut misnamed = audio::form(&[], Some(("small.png", &small)));
+    let at = misnamed.body.windows(11).position(|w| w == b"name=\"file\"").unwrap();
+    misnamed.body.splice(at..at + 11, b"name=\"image\"".iter().copied());
+    let resp = client()
+        .post(server.url("/v1/ocr"))
+        .header("content-type", misnamed.content_type)
+        .body(misnamed.body)
+        .send()
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 400);
+    let body: Value = resp.json().unwrap();
+    assert!(body["error"]["message"].as_str().unwrap().contains("send the document as `file`"), "{body}");
     // Bodies that are not an OCR request at all.
     let resp = client().post(server.url("/v1/ocr")).body("plain").send().unwrap();
     assert_eq!(resp.status().as_u16(), 400);
@@ -252,6 +280,19 @@ fn hostile_documents_get_a_clear_4xx_and_change_nothing() {
     let (status, body, _) = server.post("/v1/ocr", &json!({"file": "", "colour": true}));
     assert_eq!(status, 400, "{body}");
     assert!(body["error"]["message"].as_str().unwrap().contains("colour"), "{body}");
+    // Base64 as people paste it is read: wrapped at 76 columns as `base64` prints it, and
+    // as a data: URL; options as strings or numbers alike.
+    let encoded = base64::engine::general_purpose::STANDARD.encode(&small);
+    let wrapped: Vec<&str> = encoded.as_bytes().chunks(76).map(|c| std::str::from_utf8(c).unwrap()).collect();
+    for file in [wrapped.join("\n"), format!("data:image/png;base64,{encoded}")] {
+        let request = json!({"file": file, "min_score": "0.5", "pages": null});
+        let resp = client().post(server.url("/v1/ocr")).json(&request).send().unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        // Named as every answer about a model is, for a proxy that routes by it.
+        assert_eq!(resp.headers()["x-snooze-model"], "ocr");
+        let body: Value = resp.json().unwrap();
+        assert_eq!(body["pages"], first["pages"]);
+    }
     let form = audio::form(&[("pipeline", "ocr")], None);
     let resp = client()
         .post(server.url("/v1/ocr"))

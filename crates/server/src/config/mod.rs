@@ -19,7 +19,7 @@ use std::{
 use serde::Deserialize;
 
 pub use models::{discover, Backend, ModelSettings, RawModel};
-pub use pipelines::{PipelineSettings, RawPipeline, DEFAULT_DPI, DEFAULT_PAGE_BATCH};
+pub use pipelines::{PipelineSettings, RawPipeline, DEFAULT_DPI, DEFAULT_PAGE_BATCH, DPI_RANGE};
 pub use settings::{
     settings_table, MemoryLimit, Origin, RawServer, Scalar, ServerKey, ServerSettings, Setting, SERVER_KEYS,
 };

@@ -49,6 +49,10 @@ pub struct PipelineSettings {
 /// recogniser's 48-px lines. Measured with hayro: an A4 text page in 67 ms and 14.5 MiB
 /// at 150 DPI, 166 ms and 58 MiB at 300.
 pub const DEFAULT_DPI: f32 = 150.0;
+/// The resolutions PDF pages may be rendered at, in a pipeline or a request: below 36
+/// DPI body text is a few pixels high and reads as nothing; at 600 an A4 page is 35
+/// megapixels, most of `max_image_pixels`' default.
+pub const DPI_RANGE: std::ops::RangeInclusive<f32> = 36.0..=600.0;
 /// Pages in flight per request: they share detector and recogniser runs, and a
 /// 500-page PDF holds at most this many page bitmaps at a time.
 pub const DEFAULT_PAGE_BATCH: usize = 4;
@@ -125,7 +129,7 @@ fn pipeline(
     }
     o.validate().map_err(|e| err(&format!("[pipelines.{name}]"), e))?;
     let dpi = num("dpi", &raw.dpi)?.unwrap_or(f64::from(DEFAULT_DPI)) as f32;
-    if !(36.0..=600.0).contains(&dpi) {
+    if !DPI_RANGE.contains(&dpi) {
         return Err(err(&key("dpi"), format!("{dpi} is not between 36 and 600")));
     }
     let page_batch = num("page_batch", &raw.page_batch)?.unwrap_or(DEFAULT_PAGE_BATCH as f64);

@@ -8,18 +8,22 @@
 use axum::{
     body::Body,
     extract::State,
-    http::{header, HeaderMap},
+    http::{header, HeaderMap, HeaderValue},
     response::{IntoResponse, Response},
     routing::{get, post},
     Json, Router,
 };
 use base64::Engine;
 use bytes::Bytes;
-use serde::Deserialize;
 use serde_json::{json, Value};
 use snooze_core::SnoozeError;
 
-use super::{body::read_body, kserve::priority, openai::OpenAiError, AppState};
+use super::{
+    body::read_body,
+    kserve::priority,
+    openai::{OpenAiError, MODEL_HEADER},
+    AppState,
+};
 use crate::request::ocr::{self, Request};
 
 /// The pipeline a request gets when it names none.
@@ -33,18 +37,6 @@ fn bad(param: &'static str, msg: impl Into<String>) -> OpenAiError {
     OpenAiError::about(param, SnoozeError::invalid(msg))
 }
 
-/// The JSON form of a request.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct JsonRequest {
-    file: String,
-    pipeline: Option<String>,
-    use_cls: Option<bool>,
-    min_score: Option<f32>,
-    pages: Option<Value>,
-    dpi: Option<f32>,
-}
-
 async fn read(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     let started = std::time::Instant::now();
     let mut name = None;
@@ -53,7 +45,12 @@ async fn read(State(state): State<AppState>, headers: HeaderMap, body: Body) -> 
         let outcome = result.as_ref().map(drop).map_err(|e| e.error());
         crate::request::metrics::observe(n, "openai", started, outcome);
     }
-    result.unwrap_or_else(IntoResponse::into_response)
+    let mut response = result.unwrap_or_else(IntoResponse::into_response);
+    // The pipeline, as every answer about a model names it: what a proxy routes by.
+    if let Some(value) = name.and_then(|n| HeaderValue::from_str(&n).ok()) {
+        response.headers_mut().insert(MODEL_HEADER, value);
+    }
+    response
 }
 
 async fn read_once(
@@ -79,8 +76,12 @@ async fn read_once(
             "send the document as multipart/form-data (a `file` field) or as JSON {\"file\": \"<base64>\"}",
         ));
     };
-    let pipeline = state.pipelines.get(pipeline.as_deref().unwrap_or(DEFAULT_PIPELINE))?;
+    let pipeline = state
+        .pipelines
+        .get(pipeline.as_deref().unwrap_or(DEFAULT_PIPELINE))
+        .map_err(|e| OpenAiError::about("pipeline", e))?;
     *seen = Some(pipeline.settings.name.clone());
+    request.check(&pipeline.settings).map_err(|(param, e)| OpenAiError::about(param, e))?;
     let file =
         file.ok_or_else(|| bad("file", "the request has no `file`: send the image or PDF as `file`"))?;
     // The document is decoded from its own copy: the body goes as soon as it is made.
@@ -92,24 +93,81 @@ async fn read_once(
     Ok(Json(result).into_response())
 }
 
-/// `pages` as a string ("1-3,7") or a number.
-fn pages_text(v: &Value) -> Result<String, OpenAiError> {
+/// The options beside the document, by name; JSON and form fields alike.
+const OPTIONS: &str = "file, pipeline, use_cls, min_score, pages, dpi";
+
+/// Sets the option `name` of a request from its text (a form field, or a JSON value
+/// written as text); an unknown name is refused rather than ignored: a misspelt `page`
+/// would otherwise read the whole document.
+fn set_option(
+    name: &str,
+    text: &str,
+    pipeline: &mut Option<String>,
+    request: &mut Request,
+) -> Result<(), OpenAiError> {
+    let text = text.trim();
+    let number = |param: &'static str| {
+        text.parse::<f32>().map_err(|_| bad(param, format!("{param} '{text}' is not a number")))
+    };
+    match name {
+        // `model`, as the rest of the `/v1` API names what serves a request.
+        "pipeline" | "model" => *pipeline = Some(text.to_string()),
+        "use_cls" => {
+            request.use_cls = Some(match text {
+                "true" | "1" => true,
+                "false" | "0" => false,
+                _ => return Err(bad("use_cls", format!("use_cls '{text}' is not true or false"))),
+            })
+        }
+        "min_score" => request.min_score = Some(number("min_score")?),
+        "dpi" => request.dpi = Some(number("dpi")?),
+        "pages" => request.pages = Some(text.to_string()),
+        _ => return Err(bad("", format!("unknown field '{name}' (the fields are: {OPTIONS})"))),
+    }
+    Ok(())
+}
+
+/// A JSON option as the text a form would carry: a string as it is, a number or a flag
+/// as written (`null` is an option not given).
+fn option_text(name: &str, v: &Value) -> Result<String, OpenAiError> {
     match v {
         Value::String(s) => Ok(s.clone()),
         Value::Number(n) => Ok(n.to_string()),
-        _ => Err(bad("pages", "`pages` is a selection like \"1-3,7\" or a page number")),
+        Value::Bool(b) => Ok(b.to_string()),
+        _ => Err(bad("", format!("`{name}` must be a string, a number or true/false, not {v}"))),
     }
 }
 
+/// A base64 document as people paste it: wrapped lines (what `base64` prints) and a
+/// `data:` URL prefix are taken.
+fn decode_base64(text: &str) -> Result<Vec<u8>, OpenAiError> {
+    let text = match text.strip_prefix("data:") {
+        Some(url) => url.split_once(";base64,").map(|(_, b)| b).ok_or_else(|| {
+            bad("file", "`file` is a data: URL without \";base64,\": send the document base64-encoded")
+        })?,
+        None => text,
+    };
+    let compact: Vec<u8> = text.bytes().filter(|b| !b.is_ascii_whitespace()).collect();
+    base64::engine::general_purpose::STANDARD
+        .decode(&compact)
+        .map_err(|e| bad("file", format!("`file` is not base64: {e}")))
+}
+
 fn from_json(body: &[u8]) -> Result<(Option<Bytes>, Option<String>, Request), OpenAiError> {
-    let req: JsonRequest = serde_json::from_slice(body)
-        .map_err(|e| bad("file", format!("the body is not a valid OCR request: {e}")))?;
-    let file = base64::engine::general_purpose::STANDARD
-        .decode(req.file.as_bytes())
-        .map_err(|e| bad("file", format!("`file` is not base64: {e}")))?;
-    let pages = req.pages.as_ref().map(pages_text).transpose()?;
-    let request = Request { use_cls: req.use_cls, min_score: req.min_score, pages, dpi: req.dpi };
-    Ok((Some(Bytes::from(file)), req.pipeline, request))
+    let fields: serde_json::Map<String, Value> = serde_json::from_slice(body)
+        .map_err(|e| bad("", format!("the body is not a JSON object of an OCR request: {e}")))?;
+    let (mut file, mut pipeline, mut request) = (None, None, Request::default());
+    for (name, value) in &fields {
+        if name == "file" {
+            let Value::String(text) = value else {
+                return Err(bad("file", "`file` must be the document as a base64 string"));
+            };
+            file = Some(Bytes::from(decode_base64(text)?));
+        } else if !value.is_null() {
+            set_option(name, &option_text(name, value)?, &mut pipeline, &mut request)?;
+        }
+    }
+    Ok((file, pipeline, request))
 }
 
 async fn from_form(
@@ -122,30 +180,21 @@ async fn from_form(
     let (mut file, mut pipeline, mut request) = (None, None, Request::default());
     while let Some(field) = multipart.next_field().await.map_err(broken)? {
         let name = field.name().unwrap_or("").to_string();
+        let uploaded = field.file_name().is_some();
         let value = field.bytes().await.map_err(broken)?;
         if name == "file" {
             file = Some(value);
             continue;
         }
-        let text = std::str::from_utf8(&value)
-            .map_err(|_| bad("file", format!("the form field '{name}' is not text")))?;
-        let text = text.trim();
-        let flag = |param: &'static str| match text {
-            "true" | "1" => Ok(true),
-            "false" | "0" => Ok(false),
-            _ => Err(bad(param, format!("{param} '{text}' is not true or false"))),
-        };
-        let number = |param: &'static str| {
-            text.parse::<f32>().map_err(|_| bad(param, format!("{param} '{text}' is not a number")))
-        };
-        match name.as_str() {
-            "pipeline" | "model" => pipeline = Some(text.to_string()),
-            "use_cls" => request.use_cls = Some(flag("use_cls")?),
-            "min_score" => request.min_score = Some(number("min_score")?),
-            "dpi" => request.dpi = Some(number("dpi")?),
-            "pages" => request.pages = Some(text.to_string()),
-            _ => {}
+        if uploaded {
+            return Err(bad(
+                "file",
+                format!("the form field '{name}' holds a file: send the document as `file`"),
+            ));
         }
+        let text = std::str::from_utf8(&value)
+            .map_err(|_| bad("", format!("the form field '{name}' is not text")))?;
+        set_option(&name, text, &mut pipeline, &mut request)?;
     }
     Ok((file, pipeline, request))
 }

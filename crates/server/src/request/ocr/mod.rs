@@ -32,7 +32,7 @@ use snooze_vision::{
 };
 
 use super::AppState;
-use crate::config::PipelineSettings;
+use crate::config::{PipelineSettings, DPI_RANGE};
 pub use memory::PixelMemory;
 
 /// A configured pipeline, ready to read.
@@ -112,6 +112,31 @@ pub struct Request {
     pub pages: Option<String>,
     /// Resolution of PDF pages (default: the pipeline's, 150).
     pub dpi: Option<f32>,
+}
+
+impl Request {
+    /// Checks the options against `pipeline`; the error names the option (`use_cls`,
+    /// `min_score`, `dpi`, `pages`) and what is wrong with it.
+    pub fn check(&self, pipeline: &PipelineSettings) -> Result<(), (&'static str, SnoozeError)> {
+        if self.use_cls == Some(true) && pipeline.cls.is_none() {
+            let why = format!("pipeline '{}' has no direction classifier (use_cls)", pipeline.name);
+            return Err(("use_cls", SnoozeError::invalid(why)));
+        }
+        if let Some(min) = self.min_score.filter(|m| !(0.0..=1.0).contains(m)) {
+            return Err((
+                "min_score",
+                SnoozeError::invalid(format!("min_score {min} is not between 0 and 1")),
+            ));
+        }
+        if let Some(dpi) = self.dpi.filter(|d| !DPI_RANGE.contains(d)) {
+            let (low, high) = (DPI_RANGE.start(), DPI_RANGE.end());
+            return Err(("dpi", SnoozeError::invalid(format!("dpi {dpi} is not between {low} and {high}"))));
+        }
+        if let Some(pages) = &self.pages {
+            PageSelection::parse(pages).map_err(|e| ("pages", vision_error(e)))?;
+        }
+        Ok(())
+    }
 }
 
 /// One page of the answer.
@@ -217,20 +242,12 @@ pub async fn read(
     let decoder = pipeline.decoder.clone().map_err(|e| {
         SnoozeError::new(ErrorKind::ModelFailed, format!("OCR pipeline '{}' cannot read text: {e}", s.name))
     })?;
+    request.check(s).map_err(|(_, e)| e)?;
     let mut options = OcrOptions { ..s.options.clone() };
     if let Some(use_cls) = request.use_cls {
-        if use_cls && s.cls.is_none() {
-            return Err(SnoozeError::invalid(format!(
-                "pipeline '{}' has no direction classifier (use_cls)",
-                s.name
-            )));
-        }
         options.use_cls = use_cls;
     }
     if let Some(min) = request.min_score {
-        if !(0.0..=1.0).contains(&min) {
-            return Err(SnoozeError::invalid(format!("min_score {min} is not between 0 and 1")));
-        }
         options.text_score = min;
     }
     options.validate().map_err(vision_error)?;
