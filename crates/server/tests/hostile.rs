@@ -353,7 +353,7 @@ fn cases() -> Vec<Case> {
         )
         .contains("dimensions"),
         Case::post("embeddings: input null", emb, r#"{"model":"minilm","input":null}"#, 400),
-        Case::get("embeddings: GET", emb, 405),
+        Case::get("embeddings: GET", emb, 405).contains("(allowed: POST)"),
         Case::post("models: POST", "/v1/models", "", 405),
         Case::post("an unknown /v1 route", "/v1/chat/completions", "{}", 404),
     ]);
@@ -387,8 +387,8 @@ fn cases() -> Vec<Case> {
     v.extend([
         Case::post("a path that is not UTF-8", "/v2/models/%FF%FE/infer", "{}", 400),
         Case::get("an unknown path", "/nowhere", 404),
-        Case::get("infer with GET", infer, 405),
-        Case::post("metadata with POST", "/v2/models/mlp-10m", "{}", 405),
+        Case::get("infer with GET", infer, 405).contains("(allowed: POST)"),
+        Case::post("metadata with POST", "/v2/models/mlp-10m", "{}", 405).contains("allowed: GET"),
         Case::post("Content-Length over max_request_size", infer, Vec::new(), 413)
             .header("content-length", (2 << 20).to_string())
             .contains("max_request_size"),

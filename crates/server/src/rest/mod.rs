@@ -41,14 +41,19 @@ pub fn router(state: AppState) -> Router {
         .merge(audio::routes())
         .merge(ocr::routes())
         .route_layer(middleware::from_fn_with_state(state.clone(), auth::require_api_key));
-    Router::new()
+    let routes = Router::new()
         .merge(kserve::health_routes())
         .merge(inference)
         .merge(dashboard::routes())
         .merge(admin)
         // Plain text: `json_errors` gives it the error shape of its path.
         .fallback(|| async { (axum::http::StatusCode::NOT_FOUND, "no such endpoint") })
-        .with_state(state)
+        .with_state(state);
+    // The layers wrap the routes as one service: a router's own layers wrap each route's
+    // handlers, inside the code that adds a 405's `Allow` header, which `json_errors`
+    // names in its message.
+    Router::new()
+        .fallback_service(routes)
         .layer(CatchPanicLayer::custom(error::panic_response))
         .layer(middleware::from_fn(error::json_errors))
         .layer(middleware::from_fn(model_header))
