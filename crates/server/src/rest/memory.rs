@@ -52,6 +52,12 @@ fn devices_json(state: &AppState) -> Vec<Value> {
 }
 
 /// Advice a user can act on, from what was measured.
+/// The `memory` to advise for a model that measured `measured` bytes: a tenth more, in
+/// whole MiB rounded up (never under what was measured, never "0MiB").
+fn advised_mib(measured: u64) -> u64 {
+    (measured + measured / 10).div_ceil(1 << 20).max(1)
+}
+
 pub fn recommendations(models: &[ModelStatus], budget: u64, baseline: u64, headroom: u64) -> Vec<String> {
     let mut out = Vec::new();
     for m in models {
@@ -63,7 +69,7 @@ pub fn recommendations(models: &[ModelStatus], budget: u64, baseline: u64, headr
                     m.name,
                     format_bytes(measured),
                     format_bytes(estimated),
-                    (measured * 11 / 10) >> 20,
+                    advised_mib(measured),
                     m.name
                 ));
             } else if ratio < 0.5 {
@@ -72,7 +78,7 @@ pub fn recommendations(models: &[ModelStatus], budget: u64, baseline: u64, headr
                     m.name,
                     format_bytes(measured),
                     format_bytes(estimated),
-                    (measured * 11 / 10) >> 20
+                    advised_mib(measured)
                 ));
             }
         }
@@ -221,5 +227,16 @@ mod tests {
         assert_eq!(r.len(), 2, "{r:?}");
         assert!(r[0].contains("'x' measured 2.3x") && r[0].contains("memory = \"253MiB\""), "{}", r[0]);
         assert!(r[1].contains("'y'") && r[1].contains("never fit"), "{}", r[1]);
+    }
+
+    #[test]
+    fn the_advised_memory_is_never_under_what_was_measured() {
+        // ocr-cls: 1.8 MiB measured against a 20.6 MiB estimate.
+        let r = recommendations(&[status("cls", 20 * (1 << 20), Some(1_887_437))], u64::MAX, 0, 0);
+        assert!(r[0].contains("memory = \"2MiB\""), "{}", r[0]);
+        assert_eq!(advised_mib(700 << 10), 1);
+        assert_eq!(advised_mib(1), 1);
+        assert_eq!(advised_mib(100 << 20), 110);
+        assert_eq!(advised_mib((100 << 20) + 1), 111);
     }
 }
