@@ -34,7 +34,8 @@ struct Remote {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Start the server (KServe v2 REST, OpenAI /v1/embeddings, admin API).
+    /// Start the server (KServe v2 REST and gRPC; OpenAI /v1/embeddings and /v1/audio;
+    /// /v1/ocr; the admin API).
     Serve(Box<ServeArgs>),
     /// Make the one-time copies the models load fastest from (ORT format, prepacked)
     /// into state_dir now, instead of in the background of a running server: for an
@@ -207,8 +208,11 @@ fn load_config(
 }
 
 fn init_logs(format: LogFormat) {
+    // The audio decoders log what they find wrong in a file (hundreds of lines, some at
+    // ERROR, for one upload that is not audio); the client's mistake is its 400, not the
+    // server's log.
     let filter = tracing_subscriber::EnvFilter::try_from_env("SNOOZE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,ort=warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,ort=warn,symphonia=off"));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
@@ -353,6 +357,13 @@ fn main() -> ExitCode {
         .mut_subcommand("prepare", |c| c.args(server_key_args()))
         .get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if !matches!(cli.command, Command::Serve(_) | Command::Prepare(_) | Command::PrepareModel { .. }) {
+        // A command that prints for a reader (`snooze ps | head`) ends quietly when the
+        // reader stops, as other tools do, instead of panicking on a closed pipe (Rust
+        // ignores SIGPIPE; a server must, for its sockets, and keeps doing so).
+        // SAFETY: resetting a signal to its default before any thread starts.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     let result = match cli.command {
         Command::Serve(args) => {
             init_logs(args.log_format);

@@ -203,6 +203,19 @@ fn client_commands_drive_a_running_server() {
     let big = lines.iter().find(|l| l.starts_with("big")).expect("big row");
     assert!(big.contains("unloaded") && big.contains("/ -"), "{out}");
 
+    // A reader that stops early (`snooze ps | head -c 100`) ends the command quietly, by
+    // SIGPIPE as other tools end, not with a panic about a broken pipe. The pipe's reading
+    // end is closed before the command starts, so its first write fails every time.
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    let mut c = snooze();
+    c.args(["ps", "--json"]).env("SNOOZE_URL", &s.base).env("SNOOZE_ADMIN_TOKEN", "s3cret");
+    let out = c.stdout(writer).output().expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{:?}: {err}", out.status);
+
     // --json is the admin API's list, with the measured footprint.
     let (_, out, _) = run(&["ps", "--json"], tok);
     let v: serde_json::Value = serde_json::from_str(&out).expect("json");
