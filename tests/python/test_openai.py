@@ -110,6 +110,12 @@ class OpenAiEmbeddingsTest(unittest.TestCase):
     def test_models_are_listed(self):
         ids = sorted(m.id for m in self.client.models.list())
         self.assertEqual(ids, ["minilm", "minilm-onnx", "mlp"])
+        # One model, as the SDK retrieves it; an unknown one is the SDK's NotFoundError.
+        model = self.client.models.retrieve("minilm-onnx")
+        self.assertEqual((model.id, model.object, model.owned_by), ("minilm-onnx", "model", "snoozeml"))
+        with self.assertRaises(openai.NotFoundError) as e:
+            self.client.models.retrieve("nope")
+        self.assertIn("nope", e.exception.body["message"])
 
     def test_kserve_bytes_infer(self):
         import tritonclient.http as httpclient

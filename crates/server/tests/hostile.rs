@@ -68,6 +68,11 @@ impl Case {
         self
     }
 
+    fn content_type(mut self, v: &str) -> Case {
+        self.headers.retain(|(k, _)| *k != "content-type");
+        self.header("content-type", v)
+    }
+
     fn token(self, t: &str) -> Case {
         self.header("authorization", format!("Bearer {t}"))
     }
@@ -353,6 +358,15 @@ fn cases() -> Vec<Case> {
         )
         .contains("dimensions"),
         Case::post("embeddings: input null", emb, r#"{"model":"minilm","input":null}"#, 400),
+        Case::post(
+            "embeddings: a multipart form",
+            emb,
+            "--x\r\ncontent-disposition: form-data; name=\"model\"\r\n\r\nminilm\r\n--x--\r\n",
+            400,
+        )
+        .content_type("multipart/form-data; boundary=x")
+        .contains("send the embeddings request as JSON"),
+        Case::get("OpenAI model retrieve, unknown", "/v1/models/nope", 404).contains("nope"),
         Case::get("embeddings: GET", emb, 405).contains("(allowed: POST)"),
         Case::post("models: POST", "/v1/models", "", 405),
         Case::post("an unknown /v1 route", "/v1/chat/completions", "{}", 404),

@@ -1,4 +1,4 @@
-//! OpenAI-compatible `POST /v1/embeddings` and `GET /v1/models`, so the official SDKs
+//! OpenAI-compatible `POST /v1/embeddings` and `GET /v1/models[/{model}]`, so the official SDKs
 //! work unchanged. Errors take OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
 
 use std::{fmt, time::UNIX_EPOCH};
@@ -6,7 +6,7 @@ use std::{fmt, time::UNIX_EPOCH};
 use axum::{
     body::Body,
     extract::State,
-    http::{HeaderMap, HeaderValue},
+    http::{header, HeaderMap, HeaderValue},
     response::{IntoResponse, Response},
     routing::{get, post},
     Json, Router,
@@ -27,7 +27,10 @@ use super::{
 };
 
 pub fn routes() -> Router<AppState> {
-    Router::new().route("/v1/embeddings", post(embeddings)).route("/v1/models", get(models))
+    Router::new()
+        .route("/v1/embeddings", post(embeddings))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{model}", get(model))
 }
 
 /// An error in OpenAI's shape.
@@ -332,8 +335,17 @@ async fn embed_once(
     state.admit()?;
     let mut charge = state.request_memory.charge();
     let body = read_body(&state, &headers, body, state.settings.max_request_size, &mut charge).await?;
-    let req: EmbeddingsRequest = serde_json::from_slice(&body)
-        .map_err(|e| invalid("input", format!("the body is not a valid embeddings request: {e}")))?;
+    let req: EmbeddingsRequest = serde_json::from_slice(&body).map_err(|e| {
+        // The body is read as JSON whatever its Content-Type (`curl -d` says it is a
+        // form); a multipart upload is not JSON at all, and the parser's words would not
+        // say so.
+        let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+        if content_type.starts_with("multipart/") {
+            invalid("input", format!("the body is {content_type}: send the embeddings request as JSON"))
+        } else {
+            invalid("input", format!("the body is not a valid embeddings request: {e}"))
+        }
+    })?;
     let base64 = match req.encoding_format.as_deref() {
         None | Some("float") => false,
         Some("base64") => true,
@@ -408,15 +420,27 @@ async fn embed_once(
     .into_response())
 }
 
-async fn models(State(state): State<AppState>) -> Response {
+/// A model as OpenAI's API describes one; `created` is when the server started.
+fn model_object(state: &AppState, name: &str) -> Value {
     let created = state.started.duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    let data: Vec<Value> = state
-        .manager
-        .models()
-        .iter()
-        .map(|m| json!({"id": m.name, "object": "model", "created": created, "owned_by": "snoozeml"}))
-        .collect();
+    json!({"id": name, "object": "model", "created": created, "owned_by": "snoozeml"})
+}
+
+async fn models(State(state): State<AppState>) -> Response {
+    let data: Vec<Value> = state.manager.models().iter().map(|m| model_object(&state, &m.name)).collect();
     Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// `GET /v1/models/{model}`: what the SDKs' `models.retrieve` asks; 404 for a model the
+/// server does not know.
+async fn model(
+    State(state): State<AppState>,
+    axum::extract::Path(name): axum::extract::Path<String>,
+) -> Response {
+    match state.manager.info(&name) {
+        Ok(_) => Json(model_object(&state, &name)).into_response(),
+        Err(e) => OpenAiError(e, Some("model")).into_response(),
+    }
 }
 
 #[cfg(test)]
