@@ -89,7 +89,7 @@ pub fn plan_inputs<'r>(
                 // Every element takes at least one byte of JSON.
                 if count > raw.get().len() {
                     return Err(bad(format!(
-                        "input '{name}' declares {count} elements (shape {:?}) but its data has only {} bytes",
+                        "input '{name}' declares {count} elements (shape {:?}) but its JSON data is {} characters long, too short to hold them",
                         input.shape,
                         raw.get().len()
                     )));
