@@ -147,9 +147,15 @@ fn decode_base64(text: &str) -> Result<Vec<u8>, OpenAiError> {
         })?,
         None => text,
     };
-    let compact: Vec<u8> = text.bytes().filter(|b| !b.is_ascii_whitespace()).collect();
+    // A copy without the line breaks only when there are some: the text may be most of
+    // `max_request_size`.
+    let text: std::borrow::Cow<[u8]> = if text.bytes().any(|b| b.is_ascii_whitespace()) {
+        text.bytes().filter(|b| !b.is_ascii_whitespace()).collect::<Vec<u8>>().into()
+    } else {
+        text.as_bytes().into()
+    };
     base64::engine::general_purpose::STANDARD
-        .decode(&compact)
+        .decode(&text)
         .map_err(|e| bad("file", format!("`file` is not base64: {e}")))
 }
 
