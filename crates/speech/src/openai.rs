@@ -42,9 +42,7 @@ pub fn options(
         Some(given) => {
             let code = languages::code(given)
                 .ok_or_else(|| ("language", format!("'{given}' is not a language Whisper knows")))?;
-            // An English-only model knows no language list: it takes English and only that.
-            let known = if config.multilingual { config.language(code).is_some() } else { code == "en" };
-            if !known {
+            if !config.transcribes(code) {
                 return Err((
                     "language",
                     format!("this model is English-only: it cannot transcribe '{given}' (use a multilingual model)"),

@@ -130,7 +130,8 @@ fn pipeline(
     o.validate().map_err(|e| err(&format!("[pipelines.{name}]"), e))?;
     let dpi = num("dpi", &raw.dpi)?.unwrap_or(f64::from(DEFAULT_DPI)) as f32;
     if !DPI_RANGE.contains(&dpi) {
-        return Err(err(&key("dpi"), format!("{dpi} is not between 36 and 600")));
+        let (low, high) = (DPI_RANGE.start(), DPI_RANGE.end());
+        return Err(err(&key("dpi"), format!("{dpi} is not between {low} and {high}")));
     }
     let page_batch = num("page_batch", &raw.page_batch)?.unwrap_or(DEFAULT_PAGE_BATCH as f64);
     if !(1.0..=64.0).contains(&page_batch) || page_batch.fract() != 0.0 {

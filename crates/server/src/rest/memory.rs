@@ -51,13 +51,13 @@ fn devices_json(state: &AppState) -> Vec<Value> {
     out
 }
 
-/// Advice a user can act on, from what was measured.
 /// The `memory` to advise for a model that measured `measured` bytes: a tenth more, in
 /// whole MiB rounded up (never under what was measured, never "0MiB").
 fn advised_mib(measured: u64) -> u64 {
     (measured + measured / 10).div_ceil(1 << 20).max(1)
 }
 
+/// Advice a user can act on, from what was measured.
 pub fn recommendations(models: &[ModelStatus], budget: u64, baseline: u64, headroom: u64) -> Vec<String> {
     let mut out = Vec::new();
     for m in models {

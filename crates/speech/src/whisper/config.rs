@@ -143,6 +143,16 @@ impl WhisperConfig {
         self.languages.iter().find(|l| l.code == code)
     }
 
+    /// Whether the model transcribes the language `code`: a multilingual model those it
+    /// lists, an English-only model (which lists none) English.
+    pub fn transcribes(&self, code: &str) -> bool {
+        if self.multilingual {
+            self.language(code).is_some()
+        } else {
+            code == "en"
+        }
+    }
+
     /// Seconds per timestamp token step (0.02 s: two mel frames).
     pub fn time_precision(&self) -> f64 {
         2.0 * self.hop_length as f64 / f64::from(self.sample_rate)
