@@ -56,11 +56,12 @@ enum Command {
         intra_op_threads: usize,
     },
     /// Validate a config file without serving; exits non-zero with the reason.
+    /// Takes `serve`'s flags and `SNOOZE_*` variables, and checks what `serve` would use.
     Check {
         /// The snooze.toml to check.
         config: PathBuf,
         /// Also resolve this model repository, like `serve --model-dir`.
-        #[arg(long)]
+        #[arg(long, env = "SNOOZE_MODEL_DIR", value_name = "DIR")]
         model_dir: Option<PathBuf>,
     },
     /// List the models of a running server: state, device, memory, leases, queue, unload time.
@@ -73,12 +74,14 @@ enum Command {
     },
     /// Load a model on a running server (waits until it is ready).
     Load {
+        /// The model's name (as `ps` lists it).
         name: String,
         #[command(flatten)]
         remote: Remote,
     },
     /// Unload a model on a running server (waits for its requests to finish).
     Unload {
+        /// The model's name (as `ps` lists it).
         name: String,
         #[command(flatten)]
         remote: Remote,
@@ -128,7 +131,12 @@ impl Remote {
 #[derive(Subcommand)]
 enum DumpCommand {
     /// Show what grew between two dumps (saved from GET /admin/memory/dump).
-    Diff { before: PathBuf, after: PathBuf },
+    Diff {
+        /// The earlier dump (a JSON file).
+        before: PathBuf,
+        /// The later dump.
+        after: PathBuf,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -144,8 +152,10 @@ struct ServeArgs {
     /// Config file (TOML). Without it, the embedded default config serves the demo models.
     #[arg(long, env = "SNOOZE_CONFIG")]
     config: Option<PathBuf>,
-    /// Serve every sub-folder of DIR holding model.onnx or 1/model.onnx, named after the folder.
-    #[arg(long, env = "SNOOZE_MODEL_DIR")]
+    /// Serve every sub-folder of DIR holding model.onnx or 1/model.onnx, or a
+    /// sentence-transformers model, named after the folder (relative to the working
+    /// directory; `model_dir` in the file is relative to the file).
+    #[arg(long, env = "SNOOZE_MODEL_DIR", value_name = "DIR")]
     model_dir: Option<PathBuf>,
     /// Log format.
     #[arg(long, env = "SNOOZE_LOG_FORMAT", value_enum, default_value = "text")]
@@ -172,16 +182,22 @@ fn server_key_args() -> Vec<clap::Arg> {
         .collect()
 }
 
-/// The `[server]` keys set by flag or environment, with where each came from.
+/// The `[server]` keys set by flag or environment, with where each came from. A path
+/// given so is relative to the working directory (the file's are relative to the file).
 fn overrides(matches: &clap::ArgMatches) -> RawServer {
     let mut raw = RawServer::default();
+    let cwd = std::env::current_dir().unwrap_or_default();
     for k in config::SERVER_KEYS {
         if let Ok(Some(v)) = matches.try_get_one::<String>(k.name) {
+            let v = match k.name {
+                "state_dir" | "api_keys_file" if !v.is_empty() => cwd.join(v).display().to_string(),
+                _ => v.clone(),
+            };
             let origin = match matches.value_source(k.name) {
                 Some(clap::parser::ValueSource::EnvVariable) => config::Origin::Env,
                 _ => config::Origin::Flag,
             };
-            raw.set_from(k.name, v.clone(), origin);
+            raw.set_from(k.name, v, origin);
         }
     }
     raw
@@ -204,7 +220,14 @@ fn load_config(
     };
     let file = config::parse_file(&text, &origin)?;
     // A --model-dir flag is relative to where the command runs, not to the file.
-    Ok(config::resolve(file, overrides, model_dir.map(|d| cwd.join(d)), &base)?)
+    let config = config::resolve(file, overrides, model_dir.map(|d| cwd.join(d)), &base);
+    match (config, path) {
+        (Ok(c), _) => Ok(c),
+        (Err(e), Some(_)) => Err(e.into()),
+        (Err(e), None) => Err(anyhow::anyhow!(
+            "{e} (the embedded default config serves the demo models: run `make prepare` first)"
+        )),
+    }
 }
 
 fn init_logs(format: LogFormat) {
@@ -213,7 +236,10 @@ fn init_logs(format: LogFormat) {
     // server's log.
     let filter = tracing_subscriber::EnvFilter::try_from_env("SNOOZE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,ort=warn,symphonia=off"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Colours only for a terminal: a file or a container's log gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let builder =
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),
@@ -234,6 +260,9 @@ async fn shutdown_signal() {
 
 async fn serve(args: ServeArgs, overrides: RawServer) -> anyhow::Result<()> {
     let config = load_config(args.config.as_ref(), overrides, args.model_dir.clone())?;
+    if config.models.is_empty() {
+        tracing::warn!("no models are configured: add [models.NAME] tables or model_dir");
+    }
     let state = snooze_server::build(&config)?;
     let listener = tokio::net::TcpListener::bind(&config.server.http_address)
         .await
@@ -298,16 +327,9 @@ fn prepare_model(
     backend.prepare(&spec).map_err(|e| anyhow::anyhow!("{e}"))
 }
 
-fn guess_backend(path: &std::path::Path) -> &'static str {
-    if path.join("config.json").is_file() && !path.join("model.onnx").exists() {
-        "candle"
-    } else {
-        "onnx"
-    }
-}
-
 fn estimate(path: PathBuf, backend: Option<String>, weights: &str) -> anyhow::Result<()> {
-    let kind = backend.as_deref().unwrap_or_else(|| guess_backend(&path));
+    // The server's rule when a config names no backend.
+    let kind = backend.as_deref().unwrap_or_else(|| config::backend_for(&path).name());
     let backend: Box<dyn snooze_core::Backend> = match kind {
         "candle" => Box::new(snooze_backend_candle::CandleBackend::new()),
         _ => Box::new(snooze_backend_ort::OrtBackend::new(None).map_err(anyhow::Error::msg)?),
@@ -336,8 +358,8 @@ fn dump_diff(before: PathBuf, after: PathBuf) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn check(path: PathBuf, model_dir: Option<PathBuf>) -> anyhow::Result<()> {
-    let config = load_config(Some(&path), RawServer::default(), model_dir)?;
+fn check(path: PathBuf, model_dir: Option<PathBuf>, overrides: RawServer) -> anyhow::Result<()> {
+    let config = load_config(Some(&path), overrides, model_dir)?;
     println!("{}: ok", path.display());
     println!("listen:   {} (gRPC: {})", config.server.http_address, config.server.grpc_address);
     println!(
@@ -348,6 +370,13 @@ fn check(path: PathBuf, model_dir: Option<PathBuf>) -> anyhow::Result<()> {
     for m in &config.models {
         println!("model:    {} ({}, {})", m.name, m.backend.name(), m.path.display());
     }
+    for p in &config.pipelines {
+        let cls = p.cls.as_deref().map(|c| format!(", cls {c}")).unwrap_or_default();
+        println!("pipeline: {} (det {}{cls}, rec {})", p.name, p.det, p.rec);
+    }
+    if config.models.is_empty() {
+        println!("warning:  no models: add [models.NAME] tables or model_dir");
+    }
     Ok(())
 }
 
@@ -355,6 +384,7 @@ fn main() -> ExitCode {
     let matches = Cli::command()
         .mut_subcommand("serve", |c| c.args(server_key_args()))
         .mut_subcommand("prepare", |c| c.args(server_key_args()))
+        .mut_subcommand("check", |c| c.args(server_key_args()))
         .get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     if !matches!(cli.command, Command::Serve(_) | Command::Prepare(_) | Command::PrepareModel { .. }) {
@@ -381,7 +411,10 @@ fn main() -> ExitCode {
         Command::PrepareModel { backend, path, weights, state_dir, intra_op_threads } => {
             prepare_model(&backend, path, &weights, &state_dir, intra_op_threads)
         }
-        Command::Check { config, model_dir } => check(config, model_dir),
+        Command::Check { config, model_dir } => {
+            let overrides = matches.subcommand_matches("check").map(overrides).unwrap_or_default();
+            check(config, model_dir, overrides)
+        }
         Command::Estimate { path, backend, weights } => estimate(path, backend, &weights),
         Command::Dump { command: DumpCommand::Diff { before, after } } => dump_diff(before, after),
         Command::Ps { remote, json } => remote.client().and_then(|c| client::ps(&c, json)),

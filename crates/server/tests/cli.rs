@@ -18,6 +18,7 @@ fn write(name: &str, text: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("snooze-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("dir");
     let p = dir.join(name);
+    std::fs::create_dir_all(p.parent().expect("parent")).expect("dir");
     std::fs::write(&p, text).expect("write");
     p
 }
@@ -70,6 +71,38 @@ fn flags_and_env_override_the_file() {
 }
 
 #[test]
+fn check_sees_what_serve_would_and_paths_follow_where_they_were_given() {
+    let good = write("seen.toml", &format!("[models.a]\npath = \"{}/mlp-10m\"\n", models_dir().display()));
+    let out = snooze().arg("check").arg(&good).env("SNOOZE_KEEP_ALIVE", "soon").output().expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("(from env SNOOZE_KEEP_ALIVE)"), "{err}");
+    let out = snooze().arg("check").arg(&good).args(["--min-residency", "never"]).output().expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("(from flag --min-residency)"), "{err}");
+    let empty = write("sub/empty.toml", "");
+    let out = snooze().arg("check").arg(&empty).output().expect("run");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("warning:  no models"));
+
+    // A path in the file is relative to the file; one given by flag, to the working directory.
+    let cwd = empty.parent().and_then(|p| p.parent()).expect("temp dir").to_path_buf();
+    let state = |args: &[&str]| {
+        let out = snooze()
+            .current_dir(&cwd)
+            .args(["prepare", "--config", "sub/empty.toml"])
+            .args(args)
+            .env("ORT_DYLIB_PATH", ort_dylib())
+            .output()
+            .expect("run");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+        text
+    };
+    assert!(state(&["--state-dir", "st"]).contains(&format!("state_dir: {}", cwd.join("st").display())));
+    std::fs::write(&empty, "[server]\nstate_dir = \"st\"\n").expect("write");
+    assert!(state(&[]).contains(&format!("state_dir: {}", cwd.join("sub").join("st").display())));
+}
+
+#[test]
 fn missing_onnx_runtime_is_a_clear_error() {
     let cfg = write("ort.toml", &format!("[models.a]\npath = \"{}/mlp-10m\"\n", models_dir().display()));
     let out = snooze()
@@ -117,6 +150,15 @@ fn estimate_prints_the_derivation() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("steady:") && text.contains("peak:") && text.contains("external data"), "{text}");
+    // A sentence-transformers folder with an ONNX export: the backend the server would pick.
+    let out = snooze()
+        .arg("estimate")
+        .arg(models_dir().join("minilm-onnx"))
+        .env("ORT_DYLIB_PATH", ort_dylib())
+        .output()
+        .expect("run");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("backend:  onnx") && !text.contains("indeterminate"), "{text}");
 }
 
 #[test]
@@ -142,6 +184,7 @@ fn model_dir_discovery_and_sigterm_exits_cleanly() {
     let logs = logs.lock().expect("logs");
     assert!(logs.iter().any(|l| l.contains("all models unloaded")), "{logs:?}");
     assert!(logs.iter().any(|l| l.contains("Shutdown")), "the unload is logged with its reason");
+    assert!(logs.iter().all(|l| !l.contains('\u{1b}')), "no colour codes in a log that is not a terminal");
 }
 
 /// `snooze ps|load|unload|gc|stats` against a running server, with its admin token.

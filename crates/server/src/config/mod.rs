@@ -18,7 +18,7 @@ use std::{
 
 use serde::Deserialize;
 
-pub use models::{discover, Backend, ModelSettings, RawModel};
+pub use models::{backend_for, discover, Backend, ModelSettings, RawModel};
 pub use pipelines::{PipelineSettings, RawPipeline, DEFAULT_DPI, DEFAULT_PAGE_BATCH, DPI_RANGE};
 pub use settings::{
     settings_table, MemoryLimit, Origin, RawServer, Scalar, ServerKey, ServerSettings, Setting, SERVER_KEYS,
@@ -43,6 +43,8 @@ struct FileText {
 /// models, before validation.
 #[derive(Debug, Default)]
 pub struct FileConfig {
+    /// Where the text came from (a path, or the embedded default): errors name it.
+    pub origin: String,
     pub server: RawServer,
     pub models: BTreeMap<String, RawModel>,
     pub pipelines: BTreeMap<String, RawPipeline>,
@@ -65,47 +67,79 @@ pub(crate) fn err(key: &str, reason: impl fmt::Display) -> ConfigError {
     ConfigError(format!("invalid config: {key}: {reason}"))
 }
 
+impl ConfigError {
+    /// Names the file the refused value was written in.
+    fn in_file(self, origin: &str) -> ConfigError {
+        match self.0.strip_prefix("invalid config: ") {
+            Some(rest) if !origin.is_empty() => ConfigError(format!("invalid config {origin}: {rest}")),
+            _ => self,
+        }
+    }
+}
+
 /// Parses TOML text; unknown keys and wrong types are errors naming the key.
 pub fn parse_file(text: &str, origin: &str) -> Result<FileConfig, ConfigError> {
     let file: FileText = toml::from_str(text)
         .map_err(|e| ConfigError(format!("invalid config {origin}: {}", e.to_string().trim())))?;
     let server = file.server.into_iter().map(|(k, v)| (k, (v.to_string(), Origin::File(origin.to_string()))));
-    Ok(FileConfig { server: RawServer(server.collect()), models: file.models, pipelines: file.pipelines })
+    Ok(FileConfig {
+        origin: origin.to_string(),
+        server: RawServer(server.collect()),
+        models: file.models,
+        pipelines: file.pipelines,
+    })
 }
 
-/// Validates `file` with `overrides` (flags/env) on top; `base` resolves relative paths.
+/// Validates `file` with `overrides` (flags/env) on top; `base` (the file's folder)
+/// resolves the file's relative paths. Paths given by flag or env are the caller's to
+/// make absolute (they are relative to the working directory).
 pub fn resolve(
     mut file: FileConfig,
     overrides: RawServer,
     model_dir_flag: Option<PathBuf>,
     base: &Path,
 ) -> Result<Config, ConfigError> {
+    let origin = std::mem::take(&mut file.origin);
+    let located = |e: ConfigError| e.in_file(&origin);
     file.server.merge(overrides);
     let s = &file.server;
     if let Some(unknown) = s.0.keys().find(|k| !SERVER_KEYS.iter().any(|key| key.name == k.as_str())) {
-        return Err(err(
+        return Err(located(err(
             &format!("[server] {unknown}"),
             "unknown key (see the README's list of [server] keys)",
-        ));
+        )));
     }
     let mut server = ServerSettings::from_layers(s)?;
     server.thresholds().validate().map_err(|e| err("[server] memory_*_threshold", e))?;
     server.state_dir = base.join(&server.state_dir);
     if let Some(file) = &server.api_keys_file {
         let file = base.join(file);
-        crate::request::auth::read_keys_file(&file).map_err(|e| err("[server] api_keys_file", e))?;
+        let from_file = matches!(s.0.get("api_keys_file"), Some((_, Origin::File(_))));
+        crate::request::auth::read_keys_file(&file).map_err(|e| {
+            let e = err("[server] api_keys_file", e);
+            if from_file {
+                located(e)
+            } else {
+                e
+            }
+        })?;
         server.api_keys_file = Some(file);
     }
+    let model_dir_from_file = model_dir_flag.is_none();
     if let Some(flag) = model_dir_flag {
         server.model_dir = Some(flag);
     }
 
     let mut models = Vec::new();
     for (name, raw) in &file.models {
-        models.push(models::model_settings(name, raw, &server, base)?);
+        models.push(models::model_settings(name, raw, &server, base).map_err(located)?);
     }
     if let Some(dir) = &server.model_dir {
-        for (name, path) in discover(&base.join(dir))? {
+        let found = discover(&base.join(dir)).map_err(|e| match model_dir_from_file {
+            true => located(e),
+            false => ConfigError(e.0.replace("[server] model_dir", "--model-dir (SNOOZE_MODEL_DIR)")),
+        })?;
+        for (name, path) in found {
             if models.iter().any(|m| m.name == name) {
                 continue; // an explicit [models.NAME] entry wins over discovery
             }
@@ -114,7 +148,7 @@ pub fn resolve(
         }
     }
     models.sort_by(|a, b| a.name.cmp(&b.name));
-    let pipelines = pipelines::pipelines(&file.pipelines, &models)?;
+    let pipelines = pipelines::pipelines(&file.pipelines, &models).map_err(located)?;
     // A pipeline's stages run a page's long work: low CPU priority unless set.
     for p in &pipelines {
         for stage in [Some(&p.det), p.cls.as_ref(), Some(&p.rec)].into_iter().flatten() {
@@ -285,6 +319,77 @@ mod tests {
         assert!(e.contains("[server] keep_alive = \"soon\" (from a/snooze.toml)"), "{e}");
         let e = load("[server]\nadmin_token = 5", RawServer::default());
         assert!(e.is_ok(), "a token is any text");
+    }
+
+    #[test]
+    fn mistakes_are_named_by_the_key_and_the_value_written() {
+        let d = dir();
+        std::fs::create_dir_all(d.join("repo/w")).unwrap();
+        std::fs::write(d.join("repo/w/whisper.json"), b"{}").unwrap();
+        std::fs::create_dir_all(d.join("repo/st")).unwrap();
+        std::fs::write(d.join("repo/st/modules.json"), b"[]").unwrap();
+        std::fs::create_dir_all(d.join("repo/st/onnx")).unwrap();
+        std::fs::write(d.join("repo/st/onnx/model.onnx"), b"x").unwrap();
+        let stage = |extra: &str| {
+            format!("[models.b]\npath = \"repo/b\"\n[pipelines.p]\ndet = \"b\"\nrec = \"b\"\n{extra}")
+        };
+        let cases = [
+            (stage("min_score = 1.5"), "[pipelines.p] min_score: 1.5 is not between 0 and 1"),
+            (stage("limit_side_len = -5"), "[pipelines.p] limit_side_len: -5 is not a whole number"),
+            (stage("limit_side_len = 736.9"), "[pipelines.p] limit_side_len: 736.9 is not a whole number"),
+            (
+                "[models.w]\npath = \"repo/w\"\n[models.b]\npath = \"repo/b\"\n[pipelines.p]\ndet = \"w\"\nrec = \"b\"".into(),
+                "[pipelines.p] det: 'w' is a Whisper model",
+            ),
+            (
+                "[models.s]\npath = \"repo/st\"\n[models.b]\npath = \"repo/b\"\n[pipelines.p]\ndet = \"b\"\nrec = \"s\"".into(),
+                "[pipelines.p] rec: 's' is an embedding model",
+            ),
+            ("[models.x]\npath = \"repo/b\"\nbackend = \"candle\"".into(), "\"candle\" serves sentence-transformers"),
+            ("[server]\nhttp_address = [\"a\"]".into(), "expected a string, a number or true / false"),
+            ("[models.x]\npath = \"repo/b\"\nmax_queue = 99999999999".into(), "from 1 to 4294967295"),
+            ("[server]\nhost_memory_limit = \"0\"".into(), "[server] host_memory_limit = \"0\""),
+            ("[server]\nmax_request_size = 0".into(), "[server] max_request_size = \"0\""),
+            ("[server]\nmax_inflight_request_bytes = \"0MiB\"".into(), "[server] max_inflight_request_bytes"),
+        ];
+        for (text, expected) in cases {
+            let e = parse_file(&text, "test").and_then(|f| resolve(f, RawServer::default(), None, &d));
+            let e = match e {
+                Ok(_) => panic!("{text:?} was accepted"),
+                Err(e) => e.0,
+            };
+            assert!(e.contains(expected), "{text:?} -> {e}");
+        }
+    }
+
+    #[test]
+    fn errors_after_parsing_name_the_file() {
+        let at = |text: &str, over: RawServer| {
+            resolve(parse_file(text, "a/snooze.toml").unwrap(), over, None, &dir()).unwrap_err().0
+        };
+        let e = at("[models.x]\npath = \"missing.onnx\"", RawServer::default());
+        assert!(e.starts_with("invalid config a/snooze.toml: [models.x] path:"), "{e}");
+        let e = at("[server]\nkeep_alvie = \"1m\"", RawServer::default());
+        assert!(e.starts_with("invalid config a/snooze.toml: [server] keep_alvie:"), "{e}");
+        let e = at("[server]\nmodel_dir = \"nowhere\"", RawServer::default());
+        assert!(e.starts_with("invalid config a/snooze.toml: [server] model_dir: cannot read"), "{e}");
+        let e = at(
+            "[models.b]\npath = \"repo/b\"\n[pipelines.p]\ndet = \"b\"\nrec = \"c\"",
+            RawServer::default(),
+        );
+        assert!(e.starts_with("invalid config a/snooze.toml: [pipelines.p] rec:"), "{e}");
+        // A value from a flag is the flag's, not the file's.
+        let e = at("", RawServer::default().set("api_keys_file", "/nonexistent/keys").clone());
+        assert!(e.starts_with("invalid config: [server] api_keys_file"), "{e}");
+        let e = resolve(
+            parse_file("", "a/snooze.toml").unwrap(),
+            RawServer::default(),
+            Some(dir().join("nowhere")),
+            &dir(),
+        )
+        .unwrap_err()
+        .0;
+        assert!(e.contains("--model-dir (SNOOZE_MODEL_DIR): cannot read"), "{e}");
     }
 
     #[test]

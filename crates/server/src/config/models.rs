@@ -103,7 +103,17 @@ pub(super) fn model_settings(
     let backend = match raw.backend.as_deref() {
         None => backend_for(&path),
         Some("onnx") => Backend::Onnx,
-        Some("candle") => Backend::Candle,
+        Some("candle") if snooze_text::is_sentence_model(&path) => Backend::Candle,
+        Some("candle") => {
+            return Err(err(
+                &key("backend"),
+                format!(
+                    "\"candle\" serves sentence-transformers folders (modules.json, config.json, \
+                     tokenizer.json, *.safetensors); {} is not one",
+                    path.display()
+                ),
+            ))
+        }
         Some(other) => {
             return Err(err(
                 &key("backend"),
@@ -137,7 +147,7 @@ pub(super) fn model_settings(
         let text = v.to_string();
         match text.trim().parse::<u64>() {
             Ok(n) if n >= min && n <= u64::from(u32::MAX) => Ok(n),
-            _ => Err(err(&key(k), format!("'{text}' is not a whole number >= {min}"))),
+            _ => Err(err(&key(k), format!("'{text}' is not a whole number from {min} to {}", u32::MAX))),
         }
     };
     let priority = match &raw.priority {
@@ -188,7 +198,7 @@ pub(super) fn model_settings(
 /// The backend a model's files call for when the config names none: a
 /// sentence-embedding folder without an ONNX export (safetensors weights) is
 /// Candle's; everything else, ONNX exports included, is ONNX Runtime's.
-fn backend_for(path: &Path) -> Backend {
+pub fn backend_for(path: &Path) -> Backend {
     if path.is_dir() && snooze_text::is_sentence_model(path) && snooze_text::onnx_export(path).is_none() {
         Backend::Candle
     } else {
@@ -199,12 +209,8 @@ fn backend_for(path: &Path) -> Backend {
 /// A model repository: every sub-folder holding `model.onnx` or `1/model.onnx`, and
 /// every sentence-embedding folder (`modules.json`: safetensors or `onnx/model.onnx`).
 pub fn discover(dir: &Path) -> Result<Vec<(String, PathBuf)>, ConfigError> {
-    let entries = std::fs::read_dir(dir).map_err(|e| {
-        err(
-            "model_dir",
-            format!("cannot read {}: {e} (run `make prepare` for the demo models)", dir.display()),
-        )
-    })?;
+    let entries = std::fs::read_dir(dir)
+        .map_err(|e| err("[server] model_dir", format!("cannot read {}: {e}", dir.display())))?;
     let mut found = Vec::new();
     for entry in entries.flatten() {
         let path = entry.path();

@@ -9,7 +9,12 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 use snooze_vision::{LimitType, OcrOptions};
 
-use super::{err, models::ModelSettings, settings::Scalar, ConfigError};
+use super::{
+    err,
+    models::{Backend, ModelSettings},
+    settings::Scalar,
+    ConfigError,
+};
 
 #[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -79,8 +84,13 @@ fn pipeline(
     let model = |k: &str, v: &Option<String>| -> Result<Option<String>, ConfigError> {
         match v {
             None => Ok(None),
-            Some(m) if models.iter().any(|s| &s.name == m) => Ok(Some(m.clone())),
-            Some(m) => Err(err(&key(k), format!("'{m}' is not a model of [models] (or model_dir)"))),
+            Some(m) => match models.iter().find(|s| &s.name == m) {
+                None => Err(err(&key(k), format!("'{m}' is not a model of [models] (or model_dir)"))),
+                Some(s) => match stage_misfit(s) {
+                    Some(what) => Err(err(&key(k), format!("'{m}' is {what}, not an OCR model (ONNX)"))),
+                    None => Ok(Some(m.clone())),
+                },
+            },
         }
     };
     let det =
@@ -106,6 +116,9 @@ fn pipeline(
         return Err(err(&key("use_cls"), "true, but the pipeline names no `cls` model"));
     }
     if let Some(v) = num("limit_side_len", &raw.limit_side_len)? {
+        if !(32.0..=10_000.0).contains(&v) || v.fract() != 0.0 {
+            return Err(err(&key("limit_side_len"), format!("{v} is not a whole number from 32 to 10000")));
+        }
         o.limit_side_len = v as usize;
     }
     if let Some(t) = &raw.limit_type {
@@ -125,6 +138,10 @@ fn pipeline(
         o.unclip_ratio = v as f32;
     }
     if let Some(v) = num("min_score", &raw.min_score)? {
+        // Checked here: the vision crate names it by rapidocr's `text_score`.
+        if !(0.0..=1.0).contains(&v) {
+            return Err(err(&key("min_score"), format!("{v} is not between 0 and 1")));
+        }
         o.text_score = v as f32;
     }
     o.validate().map_err(|e| err(&format!("[pipelines.{name}]"), e))?;
@@ -146,4 +163,19 @@ fn pipeline(
         dpi,
         page_batch: page_batch as usize,
     })
+}
+
+/// What a model is when it cannot be a pipeline stage: stages run images through ONNX
+/// Runtime, so a Candle model, a Whisper folder or an embedding model would only fail
+/// at the first page.
+fn stage_misfit(model: &ModelSettings) -> Option<&'static str> {
+    if model.backend != Backend::Onnx {
+        Some("a Candle model")
+    } else if snooze_speech::whisper::is_whisper_folder(&model.path) {
+        Some("a Whisper model")
+    } else if snooze_text::is_sentence_model(&model.path) {
+        Some("an embedding model")
+    } else {
+        None
+    }
 }

@@ -14,13 +14,43 @@ use snooze_core::{
 use super::ConfigError;
 
 /// A value that may be written as a string or a bare number.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone)]
 pub enum Scalar {
     Bool(bool),
     Str(String),
     Int(i64),
     Float(f64),
+}
+
+impl<'de> Deserialize<'de> for Scalar {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Scalar, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Scalar;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string, a number or true / false")
+            }
+            fn visit_bool<E>(self, v: bool) -> Result<Scalar, E> {
+                Ok(Scalar::Bool(v))
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<Scalar, E> {
+                Ok(Scalar::Int(v))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Scalar, E> {
+                i64::try_from(v).map(Scalar::Int).map_err(|_| E::custom(format!("{v} is too large")))
+            }
+            fn visit_f64<E>(self, v: f64) -> Result<Scalar, E> {
+                Ok(Scalar::Float(v))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Scalar, E> {
+                Ok(Scalar::Str(v.to_string()))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Scalar, E> {
+                Ok(Scalar::Str(v))
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
 }
 
 impl fmt::Display for Scalar {
@@ -70,7 +100,7 @@ server_settings! {
     grpc_address: String = "127.0.0.1:8081", check socket_address_or_off;
     /// Memory budget of the whole process: `auto` (what the machine or its memory cgroup
     /// allows, minus `headroom`), a percentage of what exists (`80%`), or a size (`6GiB`).
-    host_memory_limit: MemoryLimit = "auto";
+    host_memory_limit: MemoryLimit = "auto", check some_memory;
     /// Kept free on top of each model's footprint; `auto` also subtracts it from the limit.
     headroom: u64 = "64MiB";
     /// Idle time before a model unloads; `0` = after each request, `-1` = never.
@@ -118,11 +148,12 @@ server_settings! {
     /// `Retry-After` of refusals with no better estimate.
     retry_after: Duration = "5s", check at_least_a_second;
     /// Where the server keeps its state (learned footprints, weight caches); relative to
-    /// the config file.
+    /// the config file (to the working directory when given by flag or env).
     state_dir: PathBuf = ".snooze";
     /// A model repository: each sub-folder with `model.onnx` or `1/model.onnx`, or a
     /// sentence-transformers folder (`modules.json`), is a model named after the folder
-    /// (a `[models.NAME]` entry of the same name wins).
+    /// (a `[models.NAME]` entry of the same name wins). Relative to the config file (to
+    /// the working directory when given by flag or env).
     model_dir: Option<PathBuf> = "";
     /// On SIGTERM/SIGINT, how long requests in flight may finish before models are
     /// unloaded.
@@ -131,11 +162,11 @@ server_settings! {
     /// for its model (then 503; the load or unload goes on).
     acquire_timeout: Duration = "120s", check positive;
     /// Larger bodies get 413, refused by `Content-Length` before they are read.
-    max_request_size: u64 = "64MiB";
+    max_request_size: u64 = "64MiB", check some_bytes;
     /// Memory all requests in flight may hold (bodies, decoded tensors, the copy kept for
     /// an out-of-memory retry), as a size or a share of the memory budget; past it new
     /// requests get 503 + `Retry-After`, a request that alone exceeds it 413.
-    max_inflight_request_bytes: MemorySize = "10%";
+    max_inflight_request_bytes: MemorySize = "10%", check some_size;
     /// A request line and headers must arrive within this once they started; slower
     /// connections are closed.
     header_read_timeout: Duration = "10s", check positive;
@@ -188,7 +219,8 @@ server_settings! {
     /// Separate from `admin_token`. Unset = open.
     api_keys: Option<String> = "";
     /// A file of API keys, one per line (`#` comments), added to `api_keys`; read at
-    /// start and again on SIGHUP, so keys rotate without a restart.
+    /// start and again on SIGHUP, so keys rotate without a restart. Relative to the config
+    /// file (to the working directory when given by flag or env).
     api_keys_file: Option<PathBuf> = "";
 }
 
@@ -320,6 +352,27 @@ fn at_least_10ms(d: &Duration) -> Result<(), String> {
         return Err("must be at least 10ms".into());
     }
     Ok(())
+}
+
+fn some_bytes(n: &u64) -> Result<(), String> {
+    if *n == 0 {
+        return Err("must be more than 0 bytes".into());
+    }
+    Ok(())
+}
+
+fn some_size(s: &MemorySize) -> Result<(), String> {
+    match s {
+        MemorySize::Bytes(b) => some_bytes(b),
+        MemorySize::Percent(_) => Ok(()),
+    }
+}
+
+fn some_memory(limit: &MemoryLimit) -> Result<(), String> {
+    match limit {
+        MemoryLimit::Size(s) => some_size(s),
+        MemoryLimit::Auto => Ok(()),
+    }
 }
 
 fn at_least_one(n: &usize) -> Result<(), String> {
