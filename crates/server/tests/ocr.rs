@@ -243,6 +243,13 @@ fn hostile_documents_get_a_clear_4xx_and_change_nothing() {
         ("a dpi too low to read", text.clone(), vec![("dpi", "10")], 400, "dpi 10 is not between 36 and 600"),
         ("a flag that is no flag", small.clone(), vec![("use_cls", "maybe")], 400, "use_cls"),
         ("a misspelt option", text.clone(), vec![("page", "1")], 400, "unknown field 'page'"),
+        (
+            "an option given twice",
+            text.clone(),
+            vec![("pages", "1"), ("pages", "2")],
+            400,
+            "the form field 'pages' is given more than once",
+        ),
     ];
     for (what, bytes, fields, expected, needle) in cases {
         let (status, body) = ocr(&server, bytes, "doc", &fields);

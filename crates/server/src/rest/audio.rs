@@ -24,7 +24,7 @@ use snooze_speech::{
 use super::{
     body::read_body,
     kserve::priority,
-    openai::{requested_model, OpenAiError, MODEL_HEADER},
+    openai::{requested_model, OpenAiError, SeenFields, MODEL_HEADER},
     AppState,
 };
 use crate::request::speech;
@@ -132,8 +132,10 @@ async fn parse_form(body: Bytes, boundary: String, task: Task) -> Result<Form, O
     let mut multipart = multer::Multipart::new(stream, boundary);
     let mut form = Form { request: Request { task, ..Request::default() }, ..Form::default() };
     let broken = |e: multer::Error| bad("file", format!("the multipart body is malformed: {e}"));
+    let mut seen = SeenFields::default();
     while let Some(field) = multipart.next_field().await.map_err(broken)? {
         let name = field.name().unwrap_or("").to_string();
+        seen.once(&name)?;
         if name == "file" {
             form.file = Some(field.bytes().await.map_err(broken)?);
             continue;

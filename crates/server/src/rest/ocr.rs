@@ -21,7 +21,7 @@ use snooze_core::SnoozeError;
 use super::{
     body::read_body,
     kserve::priority,
-    openai::{OpenAiError, MODEL_HEADER},
+    openai::{OpenAiError, SeenFields, MODEL_HEADER},
     AppState,
 };
 use crate::request::ocr::{self, Request};
@@ -184,8 +184,10 @@ async fn from_form(
     let mut multipart = multer::Multipart::new(stream, boundary);
     let broken = |e: multer::Error| bad("file", format!("the multipart body is malformed: {e}"));
     let (mut file, mut pipeline, mut request) = (None, None, Request::default());
+    let mut seen = SeenFields::default();
     while let Some(field) = multipart.next_field().await.map_err(broken)? {
         let name = field.name().unwrap_or("").to_string();
+        seen.once(&name)?;
         let uploaded = field.file_name().is_some();
         let value = field.bytes().await.map_err(broken)?;
         if name == "file" {

@@ -36,6 +36,41 @@ pub fn routes() -> Router<AppState> {
 /// An error in OpenAI's shape.
 pub struct OpenAiError(SnoozeError, Option<&'static str>);
 
+/// The names of a multipart form's fields seen so far. A field given twice is refused:
+/// which of the two should count is a guess either way. OpenAI's list fields (`...[]`)
+/// repeat by design.
+#[derive(Default)]
+pub(super) struct SeenFields(Vec<String>);
+
+impl SeenFields {
+    pub(super) fn once(&mut self, name: &str) -> Result<(), OpenAiError> {
+        const NAMED: [&str; 12] = [
+            "file",
+            "model",
+            "pipeline",
+            "language",
+            "prompt",
+            "response_format",
+            "temperature",
+            "stream",
+            "use_cls",
+            "min_score",
+            "dpi",
+            "pages",
+        ];
+        if name.ends_with("[]") {
+            return Ok(());
+        }
+        if self.0.iter().any(|n| n == name) {
+            let param = NAMED.iter().find(|n| **n == name).copied().unwrap_or("");
+            let msg = format!("the form field '{name}' is given more than once: send it once");
+            return Err(OpenAiError::about(param, SnoozeError::invalid(msg)));
+        }
+        self.0.push(name.to_string());
+        Ok(())
+    }
+}
+
 impl OpenAiError {
     /// `e`, naming the request field `param` it is about.
     pub fn about(param: &'static str, e: SnoozeError) -> OpenAiError {

@@ -481,6 +481,7 @@ pub fn bad_uploads(model: &str, scratch: &Scratch) -> Vec<BadUpload> {
         "'xml'",
     );
     upload("streaming", &[("stream", "true")], file, 400, "stream", "stream");
+    upload("the model named twice", &[("model", "whisper-base")], file, 400, "model", "more than once");
     upload("a prompt over 64 KiB", &[("prompt", &"words ".repeat(12_000))], file, 400, "file", "'prompt'");
 
     let mut form_as = |what: &str, route: &str, fields: &[(&str, &str)], status, param, contains| {
