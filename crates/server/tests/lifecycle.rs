@@ -170,6 +170,14 @@ fn lru_evictions_refusals_and_memory_given_back() {
     assert_eq!(counts(&s, "evictions").len(), 4);
     let (status, _) = s.get("/v2/models/broken");
     assert_eq!(status, 500, "metadata of an unreadable model is an error");
+    // Not ready, and the admin view says why.
+    let (status, body) = s.get("/v2/models/broken/ready");
+    assert_eq!(status, 503, "an unreadable model is not ready: {body}");
+    let (_, models) = s.get("/admin/models");
+    let broken = models["models"].as_array().expect("models").iter().find(|m| m["name"] == "broken").cloned();
+    let broken = broken.expect("broken listed");
+    assert_eq!(broken["state"], "failed", "{broken}");
+    assert!(broken["last_error"].as_str().is_some_and(|e| e.contains("corrupt")), "{broken}");
 
     // Unknown model, wrong shape, wrong datatype, unknown input / output.
     let (status, body, _) = s.post("/v2/models/nope/infer", &infer_body(&reference("mlp-100m-1")));

@@ -521,8 +521,18 @@ impl Scheduler {
             .retry_after(self.config.retry_after)
     }
 
-    /// The admin view of every model.
+    /// The admin view of every model. One whose files cannot be read is `failed` with
+    /// the reason, as a failed load is: every request to it is refused until the files
+    /// are fixed, so neither readiness nor the admin view may call it loadable.
     pub fn status(&self, now: Instant) -> Vec<ModelStatus> {
-        self.slots.iter().map(|s| s.status(now)).collect()
+        let views = self.slots.iter().zip(&self.unreadable).map(|(s, unreadable)| {
+            let mut view = s.status(now);
+            if let Some(why) = unreadable {
+                view.state = StateName::Failed;
+                view.last_error = Some(why.clone());
+            }
+            view
+        });
+        views.collect()
     }
 }

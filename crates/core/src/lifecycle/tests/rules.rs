@@ -319,8 +319,12 @@ fn unreadable_files_are_refused_before_anything_is_evicted() {
     assert_eq!(e.kind, ErrorKind::ModelFailed);
     assert!(e.message.contains("not an ONNX file"));
     assert!(h.evictions().is_empty());
+    // Readiness and the admin view see it failed, with the reason.
+    let st = &h.s.status(h.now)[1];
+    assert_eq!((st.state, st.last_error.as_deref()), (StateName::Failed, Some("not an ONNX file")));
     h.s.observe_files(1, None);
     h.call("broken").unwrap();
+    assert_eq!(h.s.status(h.now)[1].state, StateName::Ready);
 }
 
 #[test]
