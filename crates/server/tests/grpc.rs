@@ -224,3 +224,26 @@ fn grpc_off_serves_none_and_a_taken_port_is_a_clear_error() {
     let mut c = rt.block_on(connect(&s));
     assert!(rt.block_on(c.server_ready(ServerReadyRequest {})).expect("ready").into_inner().ready);
 }
+
+/// A call takes as long as its work: only the message's arrival is timed
+/// (`body_read_timeout`), as over REST. Before, the whole call was cut at
+/// `acquire_timeout + queue_timeout` with CANCELLED "Timeout expired".
+#[test]
+fn a_call_longer_than_the_queue_and_load_timeouts_is_answered() {
+    let rt = runtime();
+    let s =
+        Server::start("grpc-long", &config(), &["--acquire-timeout", "300ms", "--queue-timeout", "100ms"]);
+    let mut c = rt.block_on(connect(&s)).max_decoding_message_size(64 << 20);
+    let r = reference("mlp-10m");
+    assert!(rt.block_on(c.model_infer(good(&r))).is_ok(), "the model loads");
+    // 20,000 rows: over a second on 2 cores, against the 0.4 s of the two timeouts.
+    let (rows, width) = (20_000usize, r.shape[1] as usize);
+    let data: Vec<u8> = (0..rows * width).flat_map(|i| ((i % 7) as f32 * 0.1).to_le_bytes()).collect();
+    let shape = [rows as i64, width as i64];
+    let started = std::time::Instant::now();
+    let answer = rt.block_on(c.model_infer(raw("mlp", vec![input("x", "FP32", &shape)], vec![data])));
+    let took = started.elapsed();
+    let answer = answer.unwrap_or_else(|e| panic!("cut after {took:?}: {e:?}")).into_inner();
+    assert_eq!(answer.outputs[0].shape[0], rows as i64);
+    eprintln!("{rows} rows over gRPC in {took:?}");
+}

@@ -171,7 +171,7 @@ server_settings! {
     /// connections are closed.
     header_read_timeout: Duration = "10s", check positive;
     /// A request body must arrive within this; slower ones get 408 and the connection is
-    /// closed.
+    /// closed (a gRPC message: DEADLINE_EXCEEDED).
     body_read_timeout: Duration = "30s", check positive;
     /// A kept-alive connection without a request for this long is closed.
     idle_timeout: Duration = "60s", check positive;

@@ -7,7 +7,7 @@
 
 use std::future::Future;
 
-use snooze_core::{lifecycle::StateName, ErrorKind, ModelInfo, SnoozeError};
+use snooze_core::{lifecycle::StateName, pressure::PressureLevel, ErrorKind, ModelInfo, SnoozeError};
 use tonic::{metadata::MetadataValue, Request, Response, Status};
 
 use crate::request::{
@@ -95,9 +95,11 @@ pub async fn serve(
         .http2_adaptive_window(Some(true))
         .initial_stream_window_size(Some(WINDOW))
         .initial_connection_window_size(Some(WINDOW * 4))
-        .timeout(s.acquire_timeout + s.queue_timeout)
         .concurrency_limit_per_connection(256)
-        .layer(limit::MessageLimitLayer::new(limit))
+        // No timeout of the whole call: a transcription or a document may take longer
+        // than any bound that fits a small request, and REST has none either; the message
+        // must arrive within body_read_timeout, and a client may set its own deadline.
+        .layer(limit::MessageLimitLayer::new(limit, s.body_read_timeout))
         .add_service(service(state.clone()))
         .serve_with_incoming_shutdown(incoming, stop)
         .await?;
@@ -174,7 +176,9 @@ impl GrpcInferenceService for Service {
         &self,
         _: Request<ServerReadyRequest>,
     ) -> Result<Response<ServerReadyResponse>, Status> {
-        Ok(Response::new(ServerReadyResponse { ready: !self.state.is_shutting_down() }))
+        // As REST's /v2/health/ready: not while shutting down nor under emergency pressure.
+        let emergency = self.state.manager.pressure_level() == PressureLevel::Emergency;
+        Ok(Response::new(ServerReadyResponse { ready: !self.state.is_shutting_down() && !emergency }))
     }
 
     async fn model_ready(
