@@ -43,7 +43,13 @@ impl Client {
         let status = resp.status();
         let body: Value = resp.json().unwrap_or(Value::Null);
         if status.as_u16() == 401 {
-            bail!("the server needs its admin token: pass --token or set SNOOZE_ADMIN_TOKEN");
+            match self.token {
+                None => bail!("the server needs its admin token: pass --token or set SNOOZE_ADMIN_TOKEN"),
+                Some(_) => bail!(
+                    "the server refused the token (--token / SNOOZE_ADMIN_TOKEN): it is not the server's \
+                     admin_token (an API key does not open the admin API)"
+                ),
+            }
         }
         if !status.is_success() {
             let msg = body["error"].as_str().map_or_else(|| body.to_string(), str::to_string);
@@ -110,9 +116,13 @@ pub fn ps_table(models: &Value, now: SystemTime) -> String {
             ["high", "normal", "low"].iter().map(|k| m["queued"][k].as_u64().unwrap_or(0)).sum();
         let until = match (m["state"].as_str(), m["unload_at"].as_str()) {
             (Some("ready"), Some(t)) => seconds_from_now(t, now).map_or("-".into(), human),
+            // No unload time: pinned, busy (the idle clock starts when its work ends), or
+            // kept forever.
             (Some("ready"), None) => {
                 if m["pinned"] == true {
                     "pinned".into()
+                } else if m["leases"].as_u64().unwrap_or(0) > 0 || queued > 0 {
+                    "in use".into()
                 } else {
                     "forever".into()
                 }

@@ -332,9 +332,13 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let s = &state.settings;
-    let exposure =
-        request::auth::exposure_warning(&s.http_address, s.admin_token.is_some(), state.keys.enabled());
-    if let Some(warning) = exposure {
+    let exposure = request::auth::exposure_warnings(
+        &s.http_address,
+        &s.grpc_address,
+        s.admin_token.is_some(),
+        state.keys.enabled(),
+    );
+    for warning in exposure {
         tracing::warn!("{warning}");
     }
     raise_open_file_limit(s.max_connections);

@@ -215,6 +215,10 @@ fn client_commands_drive_a_running_server() {
     let (code, _, err) = run(&["ps"], None);
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("admin token"), "{err}");
+    // With a wrong one: said so, not asked for one.
+    let (code, _, err) = run(&["ps"], Some("wrong"));
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("refused the token"), "{err}");
 
     let (code, out, err) = run(&["load", "small"], tok);
     assert_eq!(code, Some(0), "{err}");

@@ -141,6 +141,13 @@ pub fn is_loopback(address: &str) -> bool {
     address.parse::<std::net::SocketAddr>().is_ok_and(|a| a.ip().is_loopback())
 }
 
+/// The warnings of [`exposure_warning`] for each listener: HTTP, and gRPC unless `off`
+/// (its repository and inference calls take the same tokens).
+pub fn exposure_warnings(http: &str, grpc: &str, admin_token: bool, api_keys: bool) -> Vec<String> {
+    let listeners = [Some(http), (grpc != "off").then_some(grpc)];
+    listeners.into_iter().flatten().filter_map(|a| exposure_warning(a, admin_token, api_keys)).collect()
+}
+
 /// The warning for endpoints left open on a reachable address, if it applies: naming
 /// what is open (the admin API without `admin_token`, inference without `api_keys`).
 pub fn exposure_warning(address: &str, admin_token: bool, api_keys: bool) -> Option<String> {
@@ -234,6 +241,11 @@ mod tests {
         assert!(exposure_warning("127.0.0.1:8080", false, false).is_none());
         assert!(exposure_warning("[::1]:8080", false, false).is_none());
         assert!(exposure_warning("0.0.0.0:8080", true, true).is_none());
+        // gRPC beyond loopback is as open as HTTP; `off` listens nowhere.
+        let w = exposure_warnings("127.0.0.1:8080", "0.0.0.0:8081", false, false);
+        assert!(w.len() == 1 && w[0].contains("0.0.0.0:8081"), "{w:?}");
+        assert!(exposure_warnings("127.0.0.1:8080", "off", false, false).is_empty());
+        assert_eq!(exposure_warnings("0.0.0.0:8080", "0.0.0.0:8081", false, true).len(), 2);
         let w = exposure_warning("0.0.0.0:8080", false, true).unwrap_or_default();
         assert!(w.contains("0.0.0.0:8080") && w.contains("admin_token") && !w.contains("api_keys"), "{w}");
         let w = exposure_warning("0.0.0.0:8080", true, false).unwrap_or_default();

@@ -111,8 +111,9 @@ async fn stats(State(state): State<AppState>) -> Response {
         "alerts": pressure.active_alerts().collect::<Vec<_>>(),
         "recommendations": recommendations(&status, state.memory.budget_bytes, state.memory.baseline_bytes, state.settings.headroom)
             .into_iter()
-            .chain(crate::request::auth::exposure_warning(
+            .chain(crate::request::auth::exposure_warnings(
                 &state.settings.http_address,
+                &state.settings.grpc_address,
                 state.settings.admin_token.is_some(),
                 state.keys.enabled(),
             ))
