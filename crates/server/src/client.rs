@@ -268,6 +268,11 @@ mod tests {
              "unload_at": "2026-11-29T11:16:13.000Z", "pinned": false},
             {"name": "b", "state": "unloaded", "device": null, "footprint_estimated_bytes": 1024, "leases": 0,
              "queued": {"high": 0, "normal": 0, "low": 0}, "unload_at": null},
+            // Running, so no unload time yet (the idle clock starts when its work ends).
+            {"name": "c", "state": "ready", "device": "cpu", "leases": 1,
+             "queued": {"high": 0, "normal": 0, "low": 0}, "unload_at": null, "pinned": false},
+            {"name": "d", "state": "ready", "device": "cpu", "leases": 0,
+             "queued": {"high": 0, "normal": 0, "low": 0}, "unload_at": null, "pinned": false},
         ]});
         let t = ps_table(&models, now);
         let lines: Vec<&str> = t.lines().collect();
@@ -279,5 +284,6 @@ mod tests {
             "{t}"
         );
         assert!(lines[2].contains("unloaded") && lines[2].contains("1.0 KiB / -"), "{t}");
+        assert!(lines[3].contains("in use") && lines[4].contains("forever"), "{t}");
     }
 }
