@@ -261,7 +261,7 @@ async fn shutdown_signal() {
 async fn serve(args: ServeArgs, overrides: RawServer) -> anyhow::Result<()> {
     let config = load_config(args.config.as_ref(), overrides, args.model_dir.clone())?;
     if config.models.is_empty() {
-        tracing::warn!("no models are configured: add [models.NAME] tables or model_dir");
+        tracing::warn!("{}", config::NO_MODELS);
     }
     let state = snooze_server::build(&config)?;
     let listener = tokio::net::TcpListener::bind(&config.server.http_address)
@@ -375,7 +375,7 @@ fn check(path: PathBuf, model_dir: Option<PathBuf>, overrides: RawServer) -> any
         println!("pipeline: {} (det {}{cls}, rec {})", p.name, p.det, p.rec);
     }
     if config.models.is_empty() {
-        println!("warning:  no models: add [models.NAME] tables or model_dir");
+        println!("warning:  {}", config::NO_MODELS);
     }
     Ok(())
 }

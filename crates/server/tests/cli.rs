@@ -141,23 +141,20 @@ fn help_documents_every_flag() {
 
 #[test]
 fn estimate_prints_the_derivation() {
-    let out = snooze()
-        .arg("estimate")
-        .arg(models_dir().join("mlp-400m"))
-        .env("ORT_DYLIB_PATH", ort_dylib())
-        .output()
-        .expect("run");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let estimate = |model: &str| {
+        let out = snooze()
+            .arg("estimate")
+            .arg(models_dir().join(model))
+            .env("ORT_DYLIB_PATH", ort_dylib())
+            .output()
+            .expect("run");
+        (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), out.stderr)
+    };
+    let (ok, text, err) = estimate("mlp-400m");
+    assert!(ok, "{}", String::from_utf8_lossy(&err));
     assert!(text.contains("steady:") && text.contains("peak:") && text.contains("external data"), "{text}");
     // A sentence-transformers folder with an ONNX export: the backend the server would pick.
-    let out = snooze()
-        .arg("estimate")
-        .arg(models_dir().join("minilm-onnx"))
-        .env("ORT_DYLIB_PATH", ort_dylib())
-        .output()
-        .expect("run");
-    let text = String::from_utf8_lossy(&out.stdout);
+    let (_, text, _) = estimate("minilm-onnx");
     assert!(text.contains("backend:  onnx") && !text.contains("indeterminate"), "{text}");
 }
 

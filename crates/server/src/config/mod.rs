@@ -58,6 +58,9 @@ pub struct Config {
     pub pipelines: Vec<PipelineSettings>,
 }
 
+/// What `check` and `serve` say of a config that serves nothing.
+pub const NO_MODELS: &str = "no models are configured: add [models.NAME] tables or model_dir";
+
 /// A refusal naming the key and the reason.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
@@ -135,10 +138,10 @@ pub fn resolve(
         models.push(models::model_settings(name, raw, &server, base).map_err(located)?);
     }
     if let Some(dir) = &server.model_dir {
-        let found = discover(&base.join(dir)).map_err(|e| match model_dir_from_file {
-            true => located(e),
-            false => ConfigError(e.0.replace("[server] model_dir", "--model-dir (SNOOZE_MODEL_DIR)")),
-        })?;
+        let found = match model_dir_from_file {
+            true => discover(&base.join(dir), "[server] model_dir").map_err(located)?,
+            false => discover(&base.join(dir), "--model-dir (SNOOZE_MODEL_DIR)")?,
+        };
         for (name, path) in found {
             if models.iter().any(|m| m.name == name) {
                 continue; // an explicit [models.NAME] entry wins over discovery

@@ -208,9 +208,10 @@ pub fn backend_for(path: &Path) -> Backend {
 
 /// A model repository: every sub-folder holding `model.onnx` or `1/model.onnx`, and
 /// every sentence-embedding folder (`modules.json`: safetensors or `onnx/model.onnx`).
-pub fn discover(dir: &Path) -> Result<Vec<(String, PathBuf)>, ConfigError> {
-    let entries = std::fs::read_dir(dir)
-        .map_err(|e| err("[server] model_dir", format!("cannot read {}: {e}", dir.display())))?;
+/// `key`: where `dir` was given, for the error.
+pub fn discover(dir: &Path, key: &str) -> Result<Vec<(String, PathBuf)>, ConfigError> {
+    let entries =
+        std::fs::read_dir(dir).map_err(|e| err(key, format!("cannot read {}: {e}", dir.display())))?;
     let mut found = Vec::new();
     for entry in entries.flatten() {
         let path = entry.path();
