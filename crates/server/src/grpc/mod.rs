@@ -7,7 +7,7 @@
 
 use std::future::Future;
 
-use snooze_core::{lifecycle::StateName, pressure::PressureLevel, ErrorKind, ModelInfo, SnoozeError};
+use snooze_core::{lifecycle::StateName, ErrorKind, ModelInfo, SnoozeError};
 use tonic::{metadata::MetadataValue, Request, Response, Status};
 
 use crate::request::{
@@ -176,9 +176,7 @@ impl GrpcInferenceService for Service {
         &self,
         _: Request<ServerReadyRequest>,
     ) -> Result<Response<ServerReadyResponse>, Status> {
-        // As REST's /v2/health/ready: not while shutting down nor under emergency pressure.
-        let emergency = self.state.manager.pressure_level() == PressureLevel::Emergency;
-        Ok(Response::new(ServerReadyResponse { ready: !self.state.is_shutting_down() && !emergency }))
+        Ok(Response::new(ServerReadyResponse { ready: self.state.ready().is_ok() }))
     }
 
     async fn model_ready(

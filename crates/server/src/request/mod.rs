@@ -98,6 +98,21 @@ impl AppState {
         Ok(())
     }
 
+    /// Whether this node takes new work now: not while shutting down nor under emergency
+    /// memory pressure (a proxy or Kubernetes should send it elsewhere). REST's
+    /// `/v2/health/ready` and gRPC's ServerReady both answer from here.
+    pub fn ready(&self) -> Result<(), SnoozeError> {
+        self.admit()?;
+        if self.manager.pressure_level() == snooze_core::pressure::PressureLevel::Emergency {
+            return Err(SnoozeError::new(
+                ErrorKind::InsufficientMemory,
+                "not ready: under emergency memory pressure (idle models are being unloaded)",
+            )
+            .retry_after(self.settings.retry_after));
+        }
+        Ok(())
+    }
+
     /// A configured model by name and version (empty or absent: the one version).
     pub fn model(&self, name: &str, version: Option<&str>) -> Result<&ModelInfo, SnoozeError> {
         let info = self.manager.info(name)?;

@@ -10,9 +10,7 @@ use axum::{
     Router,
 };
 use serde_json::json;
-use snooze_core::{
-    lifecycle::StateName, pressure::PressureLevel, ErrorKind, ModelInfo, Priority, SnoozeError, Tensor,
-};
+use snooze_core::{lifecycle::StateName, ErrorKind, ModelInfo, Priority, SnoozeError, Tensor};
 
 use super::{
     body::{optional_json, read_body, SMALL_BODY_LIMIT},
@@ -58,15 +56,7 @@ pub fn admin_routes() -> Router<AppState> {
 /// Ready unless shutting down or under emergency memory pressure: either way this
 /// node cannot take new work now, and a proxy or Kubernetes should send it elsewhere.
 async fn server_ready(State(state): State<AppState>) -> Result<Response, AppError> {
-    state.admit()?;
-    if state.manager.pressure_level() == PressureLevel::Emergency {
-        return Err(SnoozeError::new(
-            ErrorKind::InsufficientMemory,
-            "not ready: under emergency memory pressure (idle models are being unloaded)",
-        )
-        .retry_after(state.settings.retry_after)
-        .into());
-    }
+    state.ready()?;
     Ok(ok_json(json!({"ready": true})))
 }
 
