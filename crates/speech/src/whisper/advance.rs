@@ -237,6 +237,33 @@ fn restart_attempt(
     Ok(())
 }
 
+/// How many hypotheses a window's first attempt draws, once its prompt is in hypothesis
+/// 0's row: `best_of` when it samples (temperature above 0), as on every fallback attempt
+/// (faster-whisper's `num_hypotheses`; a single sample at temperature 1 is mostly noise).
+/// The others fork that row, so each draws its first token from the prompt's logits.
+pub(crate) fn fork_for_sampling(
+    store: &mut KvStore,
+    shared: &std::sync::Arc<SharedStore>,
+    job: &mut Transcription,
+) -> Result<usize, InferError> {
+    let temperature = match &job.window {
+        Some(w) if w.hypotheses.len() == 1 && w.hypotheses[0].generated.is_empty() => {
+            temperature(&job.options.temperatures, w.temperature_index)
+        }
+        _ => return Ok(1),
+    };
+    let count = if temperature > 0.0 { job.options.best_of.max(1) } else { 1 };
+    let Some(window) = job.window.as_mut() else { return Ok(1) };
+    let lost = || InferError::Failed("the window's cache row was lost while it was being decoded".into());
+    let id = window.hypotheses[0].seq.as_ref().ok_or_else(lost)?.id();
+    for _ in 1..count {
+        let mut hyp = Hypothesis::new(Vec::new());
+        hyp.seq = Some(SequenceHandle::new(shared, store.fork(id).ok_or_else(lost)?));
+        window.hypotheses.push(hyp);
+    }
+    Ok(count)
+}
+
 /// Frees a hypothesis's row now (dropping the handle under the lock would only defer it).
 pub(crate) fn release(store: &mut KvStore, seq: Option<SequenceHandle>) {
     if let Some(seq) = seq {

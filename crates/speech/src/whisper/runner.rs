@@ -206,14 +206,28 @@ fn start(
             for (row, mut logits) in prompting.iter().zip(logits) {
                 let job = &mut *live[row.job].1;
                 let vocab = model.config().vocab_size;
+                let mut attempt_starts = false;
                 if let Some(w) = job.window.as_mut() {
                     if row.logits_at.len() == 2 {
                         w.no_speech_prob = Some(advance::no_speech_probability(model, &logits[..vocab]));
                     }
+                    attempt_starts = w.stage == Stage::Prompt && w.hypotheses.len() == 1;
                     w.stage = Stage::Decode;
                 }
                 let last = logits.len() - vocab;
-                advance::choose(model, job, row.hyp, &mut logits[last..]);
+                let sampled = if attempt_starts {
+                    advance::fork_for_sampling(store, model.store(), job)
+                } else {
+                    Ok(1)
+                };
+                match sampled {
+                    Ok(1) => advance::choose(model, job, row.hyp, &mut logits[last..]),
+                    // Each hypothesis draws its first token from the prompt's logits.
+                    Ok(count) => {
+                        (0..count).for_each(|h| advance::choose(model, job, h, &mut logits[last..].to_vec()))
+                    }
+                    Err(e) => failed.push((row.job, e)),
+                }
             }
         }
         Err(e) => failed.extend(prompting.iter().map(|r| (r.job, e.clone()))),

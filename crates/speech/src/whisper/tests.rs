@@ -162,6 +162,20 @@ fn a_repetitive_window_falls_back_through_the_temperatures() {
 }
 
 #[test]
+fn a_first_attempt_above_temperature_zero_draws_best_of_samples() {
+    let (model, batches) = model(BTreeMap::from([(0, vec![B, 10, 11, B + 100])]), BTreeSet::new());
+    let mut jobs = [job(3000, TranscriptionOptions { temperatures: vec![1.0], ..options() })];
+    let rows = run(&model, &mut jobs);
+    let result = jobs[0].result();
+    assert_eq!(result.windows[0].temperature, 1.0);
+    assert_eq!(rows, 5, "a sampled first attempt keeps the best of best_of, not a single draw");
+    assert!(batches.lock().unwrap().contains(&5));
+    let segments: Vec<_> = result.segments.iter().map(|s| s.text.as_str()).collect();
+    assert_eq!(segments, ["w10 w11"]);
+    assert_eq!(model.cache_bytes(), 0, "the forked rows are freed");
+}
+
+#[test]
 fn a_silent_window_is_skipped() {
     let (model, _) = model(BTreeMap::from([(0, vec![B, 10, 11, B + 100])]), BTreeSet::from([0]));
     let mut jobs = [job(3000, options())];
