@@ -415,12 +415,12 @@ fn the_multilingual_model_hears_spanish_and_french_and_translates() {
     let spanish = ["hoy", "vamos", "hablar", "historia", "ciudades"];
     assert!(!english.iter().any(|w| spanish.contains(&w.as_str())), "still Spanish: {english:?}");
 
-    // English in, English out; the language field is ignored on translations.
+    // English in, English out; `language` names the spoken language on translations too.
     let clip = beckett();
     let answer = post_form(
         &s.base,
         TRANSLATIONS,
-        &form(&[("model", BASE), ("language", "fr")], Some(("beckett.wav", &clip.bytes()))),
+        &form(&[("model", BASE), ("language", "english")], Some(("beckett.wav", &clip.bytes()))),
         None,
     );
     assert_wer("beckett translated", &clip.words, &answer.text(), 0.15);

@@ -110,10 +110,29 @@ pub fn name(code: &str) -> &str {
     LANGUAGES.iter().find(|(c, _)| *c == code).map_or(code, |(_, n)| n)
 }
 
+/// Other names Whisper takes for its languages (its `TO_LANGUAGE_CODE`), and `jv`, the
+/// ISO 639-1 code of Javanese (OpenAI documents ISO 639-1 codes; Whisper says `jw`).
+const ALIASES: [(&str, &str); 13] = [
+    ("burmese", "my"),
+    ("valencian", "ca"),
+    ("flemish", "nl"),
+    ("haitian", "ht"),
+    ("letzeburgesch", "lb"),
+    ("pushto", "ps"),
+    ("panjabi", "pa"),
+    ("moldavian", "ro"),
+    ("moldovan", "ro"),
+    ("sinhalese", "si"),
+    ("castilian", "es"),
+    ("mandarin", "zh"),
+    ("jv", "jw"),
+];
+
 /// The code of a language given by code or by name, as OpenAI's clients send it
-/// (`en`, `EN`, `english`); `None` when Whisper does not know it.
+/// (`en`, `EN`, `english`, `castilian`); `None` when Whisper does not know it.
 pub fn code(given: &str) -> Option<&'static str> {
     let given = given.trim().to_ascii_lowercase();
+    let given = ALIASES.iter().find(|(alias, _)| *alias == given).map_or(given.as_str(), |(_, c)| *c);
     LANGUAGES.iter().find(|(c, n)| *c == given || *n == given).map(|(c, _)| *c)
 }
 
@@ -129,6 +148,10 @@ mod tests {
         assert_eq!(code("EN"), Some("en"));
         assert_eq!(code("german"), Some("de"));
         assert_eq!(code("klingon"), None);
+        assert_eq!(code("Castilian"), Some("es"));
+        assert_eq!(code("jv"), Some("jw"), "ISO 639-1's Javanese");
+        assert_eq!(code("haitian creole"), Some("ht"));
+        assert!(ALIASES.iter().all(|(_, c)| LANGUAGES.iter().any(|(l, _)| l == c)));
         assert_eq!(LANGUAGES.len(), 100);
     }
 }

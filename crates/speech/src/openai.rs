@@ -43,10 +43,13 @@ pub fn options(
             let code = languages::code(given)
                 .ok_or_else(|| ("language", format!("'{given}' is not a language Whisper knows")))?;
             if !config.transcribes(code) {
-                return Err((
-                    "language",
-                    format!("this model is English-only: it cannot transcribe '{given}' (use a multilingual model)"),
-                ));
+                let why = if config.multilingual {
+                    let known: Vec<&str> = config.languages.iter().map(|l| l.code.as_str()).collect();
+                    format!("'{given}' is not one of this model's languages ({})", known.join(", "))
+                } else {
+                    format!("this model is English-only: it cannot transcribe '{given}' (use a multilingual model)")
+                };
+                return Err(("language", why));
             }
             Some(code.to_string())
         }
@@ -151,7 +154,10 @@ mod tests {
         config.languages =
             vec![Language { code: "en".into(), token: 50259 }, Language { code: "fr".into(), token: 50265 }];
         assert_eq!(options(&config, &asking("french")).unwrap().language.as_deref(), Some("fr"));
-        assert_eq!(options(&config, &asking("de")).unwrap_err().0, "language");
+        let (field, message) = options(&config, &asking("de")).unwrap_err();
+        assert_eq!(field, "language");
+        assert!(message.contains("not one of this model's languages (en, fr)"), "{message}");
+        assert!(!message.contains("English-only"), "{message}");
         assert_eq!(options(&config, &asking("klingon")).unwrap_err().0, "language");
     }
 }

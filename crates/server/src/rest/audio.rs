@@ -152,7 +152,8 @@ async fn parse_form(body: Bytes, boundary: String, task: Task) -> Result<Form, O
         let text = text.trim().to_string();
         match name.as_str() {
             "model" => form.model = Some(text),
-            "language" if task == Task::Transcribe => form.request.language = Some(text),
+            // The spoken language, for a translation too (Whisper's prompt names it).
+            "language" => form.request.language = Some(text),
             "prompt" => form.request.prompt = Some(text),
             "response_format" => form.format = text.parse().map_err(|e: String| bad("response_format", e))?,
             "temperature" => {
@@ -170,7 +171,7 @@ async fn parse_form(body: Bytes, boundary: String, task: Task) -> Result<Form, O
                     ))
                 }
             },
-            "stream" if text == "true" => {
+            "stream" if text.eq_ignore_ascii_case("true") || text == "1" => {
                 return Err(bad("stream", "streamed transcriptions are not supported: leave `stream` false"))
             }
             _ => {}

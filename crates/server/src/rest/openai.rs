@@ -44,7 +44,7 @@ pub(super) struct SeenFields(Vec<String>);
 
 impl SeenFields {
     pub(super) fn once(&mut self, name: &str) -> Result<(), OpenAiError> {
-        const NAMED: [&str; 12] = [
+        const NAMED: [&str; 13] = [
             "file",
             "model",
             "pipeline",
@@ -57,6 +57,7 @@ impl SeenFields {
             "min_score",
             "dpi",
             "pages",
+            "timestamp_granularities",
         ];
         if name.ends_with("[]") {
             return Ok(());
@@ -347,6 +348,9 @@ pub(super) fn requested_model(body: Option<String>, headers: &HeaderMap) -> Resu
                 .to_owned(),
         ),
     };
+    if body.as_deref().or(header.as_deref()).is_some_and(|m| m.trim().is_empty()) {
+        return Err(invalid("model", "`model` is empty: name a configured model"));
+    }
     match (body, header) {
         (Some(b), Some(h)) if b != h => Err(invalid(
             "model",

@@ -481,6 +481,15 @@ pub fn bad_uploads(model: &str, scratch: &Scratch) -> Vec<BadUpload> {
         "'xml'",
     );
     upload("streaming", &[("stream", "true")], file, 400, "stream", "stream");
+    upload("streaming, as Python writes true", &[("stream", "True")], file, 400, "stream", "stream");
+    upload(
+        "timestamp_granularities twice",
+        &[("timestamp_granularities", "segment"), ("timestamp_granularities", "segment")],
+        file,
+        400,
+        "timestamp_granularities",
+        "more than once",
+    );
     upload("the model named twice", &[("model", "whisper-base")], file, 400, "model", "more than once");
     upload("a prompt over 64 KiB", &[("prompt", &"words ".repeat(12_000))], file, 400, "file", "'prompt'");
 
@@ -498,6 +507,15 @@ pub fn bad_uploads(model: &str, scratch: &Scratch) -> Vec<BadUpload> {
     };
     form_as("no model", transcriptions, &[], 400, Some("model"), "no model");
     form_as("an unknown model", transcriptions, &[("model", "nope")], 404, None, "nope");
+    form_as("an empty model", transcriptions, &[("model", "")], 400, Some("model"), "`model` is empty");
+    form_as(
+        "an unknown language on a translation",
+        "/v1/audio/translations",
+        &[("model", model), ("language", "xx")],
+        400,
+        Some("language"),
+        "'xx' is not a language",
+    );
     form_as(
         "a model that is not a speech model",
         transcriptions,
