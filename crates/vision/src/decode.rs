@@ -73,7 +73,54 @@ impl ImageKind {
 /// Decodes the image `bytes` hold (the first frame of an animation; for TIFF see
 /// `tiff_pages`, which feeds each page through here).
 pub fn decode_image(bytes: &[u8], kind: ImageKind, limits: &InputLimits) -> Result<BgrImage, VisionError> {
+    // The JPEG decoder pads a scan that ends early with grey and says nothing: a page cut
+    // in half would read as half its text.
+    if kind == ImageKind::Jpeg && !jpeg_reaches_its_end(bytes) {
+        return Err(VisionError::CorruptImage {
+            format: kind.name(),
+            reason: "the file ends before the image does (no end-of-image marker)".into(),
+        });
+    }
     decode_from(Cursor::new(bytes), kind, limits)
+}
+
+/// Whether a JPEG's segments lead to its end-of-image marker (`FF D9`): each header
+/// segment is skipped by its length (so an EXIF thumbnail's own markers are never seen),
+/// each scan's entropy-coded data up to the next marker (where `FF` is followed by `00`
+/// or a restart marker). What follows the end (a camera's trailer) does not matter.
+fn jpeg_reaches_its_end(bytes: &[u8]) -> bool {
+    let mut i = 2;
+    loop {
+        // Fill bytes may pad before a marker.
+        while bytes.get(i) == Some(&0xFF) && bytes.get(i + 1) == Some(&0xFF) {
+            i += 1;
+        }
+        let (Some(0xFF), Some(&marker)) = (bytes.get(i), bytes.get(i + 1)) else { return false };
+        match marker {
+            0xD9 => return true,
+            0x01 | 0xD0..=0xD7 => i += 2,
+            _ => {
+                let Some(length) = bytes.get(i + 2..i + 4) else { return false };
+                i += 2 + usize::from(u16::from_be_bytes([length[0], length[1]]));
+                if marker == 0xDA {
+                    // The scan's data runs to the next marker that is not a stuffed
+                    // zero or a restart.
+                    loop {
+                        let Some(at) = bytes.get(i..).and_then(|rest| rest.iter().position(|&b| b == 0xFF))
+                        else {
+                            return false;
+                        };
+                        i += at;
+                        match bytes.get(i + 1) {
+                            None => return false,
+                            Some(0x00 | 0xD0..=0xD7) => i += 2,
+                            Some(_) => break,
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Decodes from `reader`; a panic inside a decoder (a bug there, triggered by a
@@ -299,5 +346,25 @@ pub(crate) mod tests {
         let err = decode_image(&png[..png.len() - 20], ImageKind::Png, &limits()).unwrap_err();
         assert_eq!(err.http_status(), 400);
         assert!(err.to_string().starts_with("the PNG image could not be decoded"), "{err}");
+    }
+
+    #[test]
+    fn a_jpeg_cut_anywhere_is_refused_and_one_with_a_trailer_is_read() {
+        let rgb = image::RgbImage::from_fn(64, 48, |x, y| {
+            image::Rgb([(x * 4) as u8, (y * 5) as u8, (x ^ y) as u8])
+        });
+        let jpeg = encode(rgb.into(), ImageFormat::Jpeg);
+        assert!(jpeg_reaches_its_end(&jpeg));
+        // Every cut, even one that leaves a decodable scan (the decoder pads it silently).
+        for cut in 2..jpeg.len() {
+            assert!(!jpeg_reaches_its_end(&jpeg[..cut]), "cut at {cut} of {}", jpeg.len());
+        }
+        let err = decode_image(&jpeg[..jpeg.len() * 3 / 4], ImageKind::Jpeg, &limits()).unwrap_err();
+        assert_eq!(err.http_status(), 400);
+        assert!(err.to_string().contains("ends before the image does"), "{err}");
+        // Data after the end (a camera's trailer, a motion photo's video) is not the image's.
+        let mut trailer = jpeg.clone();
+        trailer.extend_from_slice(b"\xFF\xD8 trailing bytes, not part of the image");
+        assert_eq!(decode_image(&trailer, ImageKind::Jpeg, &limits()).unwrap().width(), 64);
     }
 }

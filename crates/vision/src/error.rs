@@ -42,6 +42,10 @@ pub enum VisionError {
         "the document has {count} pages and at most {limit} are read per request (max_pages): choose pages with a selection such as \"1-{limit}\""
     )]
     TooManyPages { count: usize, limit: usize },
+    #[error(
+        "the page selection asks for {selected} of the document's {count} pages and at most {limit} are read per request (max_pages): choose fewer"
+    )]
+    TooManySelected { selected: usize, count: usize, limit: usize },
     #[error("the page selection {selection:?} is not valid: {reason} (write pages counted from 1, like \"1-3,7\")")]
     BadPageSelection { selection: String, reason: String },
     #[error("the page selection asks for page {page} but the document has {count} page(s)")]
@@ -67,7 +71,8 @@ impl VisionError {
         match self {
             VisionError::ImageTooLarge { .. }
             | VisionError::DecoderLimit { .. }
-            | VisionError::TooManyPages { .. } => ErrorClass::TooLarge,
+            | VisionError::TooManyPages { .. }
+            | VisionError::TooManySelected { .. } => ErrorClass::TooLarge,
             VisionError::ModelOutput { .. } => ErrorClass::Internal,
             _ => ErrorClass::BadInput,
         }

@@ -127,8 +127,9 @@ impl PageSelection {
         for (start, end) in wanted {
             for page in start.max(next)..end {
                 if pages.len() == max_pages {
-                    return Err(VisionError::TooManyPages {
-                        count: self.selected_count(count),
+                    return Err(VisionError::TooManySelected {
+                        selected: self.selected_count(count),
+                        count,
                         limit: max_pages,
                     });
                 }
@@ -188,8 +189,13 @@ mod tests {
     #[test]
     fn too_many_pages_is_413_before_anything_renders() {
         let err = PageSelection::parse("1-").unwrap().resolve(500, 50).unwrap_err();
-        assert_eq!(err, VisionError::TooManyPages { count: 500, limit: 50 });
+        assert_eq!(err, VisionError::TooManySelected { selected: 500, count: 500, limit: 50 });
         assert_eq!(err.http_status(), 413);
+        let err = PageSelection::parse("1,3,5-6").unwrap().resolve(6, 3).unwrap_err();
+        assert!(
+            err.to_string().starts_with("the page selection asks for 4 of the document's 6 pages"),
+            "{err}"
+        );
         assert_eq!(all_pages(51, 50).unwrap_err().http_status(), 413);
         assert_eq!(all_pages(3, 50).unwrap(), [0, 1, 2]);
     }
