@@ -41,6 +41,8 @@ struct Case {
     body: Vec<u8>,
     status: u16,
     contains: Option<String>,
+    /// OpenAI's `param`: the request field at fault (checked when set).
+    param: Option<String>,
     /// Refused by hyper before any handler runs (malformed HTTP): the status is all there is.
     protocol_level: bool,
 }
@@ -55,6 +57,7 @@ impl Case {
             body: body.into(),
             status,
             contains: None,
+            param: None,
             protocol_level: false,
         }
     }
@@ -84,6 +87,11 @@ impl Case {
 
     fn contains(mut self, s: &str) -> Case {
         self.contains = Some(s.to_string());
+        self
+    }
+
+    fn param(mut self, p: &str) -> Case {
+        self.param = Some(p.to_string());
         self
     }
 }
@@ -156,6 +164,9 @@ fn check(s: &Server, c: &Case) {
         let message = message.unwrap_or_else(|| panic!("{what}: no error message in {json}"));
         if let Some(want) = &c.contains {
             assert!(message.contains(want.as_str()), "{what}: '{message}' lacks '{want}'");
+        }
+        if let Some(param) = &c.param {
+            assert_eq!(json["error"]["param"], param.as_str(), "{what}: {json}");
         }
     }
     if status == 503 || status == 429 {
@@ -341,7 +352,21 @@ fn cases() -> Vec<Case> {
             r#"{"model":"minilm","input":[[999999]]}"#,
             400,
         )
-        .contains("vocabulary"),
+        .contains("vocabulary")
+        .param("input"),
+        Case::post("embeddings: an empty string", emb, r#"{"model":"minilm","input":["a",""]}"#, 400)
+            .contains("input 1 is an empty string")
+            .param("input"),
+        Case::post(
+            "embeddings: dimensions as a string",
+            emb,
+            r#"{"model":"minilm","input":"a","dimensions":"8"}"#,
+            400,
+        )
+        .param("dimensions"),
+        Case::post("embeddings: user a number", emb, r#"{"model":"minilm","input":"a","user":5}"#, 400)
+            .param("user"),
+        Case::post("embeddings: model a number", emb, r#"{"model":5,"input":"a"}"#, 400).param("model"),
         Case::post("embeddings: negative token", emb, r#"{"model":"minilm","input":[-5]}"#, 400),
         Case::post(
             "embeddings: bad encoding_format",
@@ -418,6 +443,7 @@ fn cases() -> Vec<Case> {
     let scratch = audio::Scratch::new("hostile");
     for bad in audio::bad_uploads("whisper-tiny-en", &scratch) {
         let mut c = Case::post(bad.what, &bad.route, bad.body, bad.status).contains(bad.contains);
+        c.param = bad.param.map(str::to_string);
         c.headers = vec![("content-type", bad.content_type)];
         v.push(c);
     }

@@ -152,6 +152,13 @@ fn a_pdf_is_read_page_by_page_as_multipart_or_json() {
     let names: Vec<&str> =
         list["data"].as_array().unwrap().iter().map(|p| p["id"].as_str().unwrap()).collect();
     assert_eq!(names, ["no-cls", "ocr"]);
+    // Its settings as configured (rapidocr's defaults here), f32s as written.
+    let ocr = &list["data"][1];
+    assert_eq!(
+        (&ocr["limit_type"], &ocr["det_thresh"], &ocr["box_thresh"], &ocr["unclip_ratio"], &ocr["min_score"]),
+        (&json!("min"), &json!(0.3), &json!(0.5), &json!(1.6), &json!(0.5)),
+        "{ocr}"
+    );
 }
 
 /// A PNG declaring `width` x `height` pixels with only a sliver of data behind it.
@@ -202,6 +209,7 @@ fn hostile_documents_get_a_clear_4xx_and_change_nothing() {
     let rss = server.rss();
     let text = fixtures().join("ocr_pages/text.pdf");
     let text = std::fs::read(text).unwrap();
+    let jpeg = std::fs::read(fixtures().join("ocr_pages/fonts_jpeg.jpg")).unwrap();
     type Case<'a> = (&'a str, Vec<u8>, Vec<(&'a str, &'a str)>, u16, &'a str);
     let cases: Vec<Case> = vec![
         (
@@ -213,6 +221,8 @@ fn hostile_documents_get_a_clear_4xx_and_change_nothing() {
         ),
         ("an empty file", Vec::new(), vec![], 400, "empty"),
         ("a truncated PNG", small[..small.len() / 3].to_vec(), vec![], 400, "PNG"),
+        // The JPEG decoder would read the first half's lines and pad the rest with grey.
+        ("a JPEG cut in half", jpeg[..jpeg.len() / 2].to_vec(), vec![], 400, "ends before the image does"),
         (
             "a 50000 x 50000 PNG",
             lying_png(50_000, 50_000),
@@ -236,6 +246,20 @@ fn hostile_documents_get_a_clear_4xx_and_change_nothing() {
             "at most 60",
         ),
         ("a page past the end", text.clone(), vec![("pages", "2")], 400, "the document has 1 page"),
+        (
+            "a selection over max_pages",
+            pdf::one_line_per_page(&vec!["x".to_string(); 61], 100, 100),
+            vec![("pages", "1-61")],
+            413,
+            "asks for 61 of the document's 61 pages and at most 60",
+        ),
+        (
+            "pipeline and model both",
+            small.clone(),
+            vec![("pipeline", "ocr"), ("model", "ocr")],
+            400,
+            "send one",
+        ),
         ("a page selection that is not one", text.clone(), vec![("pages", "one")], 400, "pages"),
         ("an unknown pipeline", small.clone(), vec![("pipeline", "nope")], 404, "no OCR pipeline 'nope'"),
         ("a score out of range", small.clone(), vec![("min_score", "7")], 400, "min_score"),
@@ -257,12 +281,10 @@ fn hostile_documents_get_a_clear_4xx_and_change_nothing() {
         let message =
             body["error"]["message"].as_str().unwrap_or_else(|| panic!("{what}: no message: {body}"));
         assert!(message.contains(needle), "{what}: '{message}' does not say '{needle}'");
-        // A refused option is named, as OpenAI's API names the parameter at fault (a page
-        // past the end is found in the document, not in the option).
-        if let [(option, _)] = fields[..] {
-            if option != "page" && what != "a page past the end" {
-                assert_eq!(body["error"]["param"], option, "{what}: {body}");
-            }
+        // A refused option is named, as OpenAI's API names the parameter at fault (the
+        // second of two that conflict).
+        if let Some((option, _)) = fields.last() {
+            assert_eq!(body["error"]["param"], *option, "{what}: {body}");
         }
     }
     // The document sent under another field name is pointed at `file`.
@@ -287,13 +309,23 @@ fn hostile_documents_get_a_clear_4xx_and_change_nothing() {
     let (status, body, _) = server.post("/v1/ocr", &json!({"file": "", "colour": true}));
     assert_eq!(status, 400, "{body}");
     assert!(body["error"]["message"].as_str().unwrap().contains("colour"), "{body}");
+    assert_eq!(body["error"]["param"], "colour", "{body}");
     // Base64 as people paste it is read: wrapped at 76 columns as `base64` prints it, and
     // as a data: URL; options as strings or numbers alike.
     let encoded = base64::engine::general_purpose::STANDARD.encode(&small);
     let wrapped: Vec<&str> = encoded.as_bytes().chunks(76).map(|c| std::str::from_utf8(c).unwrap()).collect();
-    for file in [wrapped.join("\n"), format!("data:image/png;base64,{encoded}")] {
+    // Media types are case-insensitive.
+    for (file, content_type) in [
+        (wrapped.join("\n"), "application/json"),
+        (format!("data:image/png;base64,{encoded}"), "Application/JSON"),
+    ] {
         let request = json!({"file": file, "min_score": "0.5", "pages": null});
-        let resp = client().post(server.url("/v1/ocr")).json(&request).send().unwrap();
+        let resp = client()
+            .post(server.url("/v1/ocr"))
+            .header("content-type", content_type)
+            .body(request.to_string())
+            .send()
+            .unwrap();
         assert_eq!(resp.status().as_u16(), 200);
         // Named as every answer about a model is, for a proxy that routes by it.
         assert_eq!(resp.headers()["x-snooze-model"], "ocr");

@@ -33,7 +33,7 @@ pub fn routes() -> Router<AppState> {
     Router::new().route("/v1/ocr", post(read)).route("/v1/ocr/pipelines", get(pipelines))
 }
 
-fn bad(param: &'static str, msg: impl Into<String>) -> OpenAiError {
+fn bad(param: impl Into<std::borrow::Cow<'static, str>>, msg: impl Into<String>) -> OpenAiError {
     OpenAiError::about(param, SnoozeError::invalid(msg))
 }
 
@@ -61,11 +61,13 @@ async fn read_once(
 ) -> Result<Response, OpenAiError> {
     state.admit()?;
     let mut charge = state.request_memory.charge();
-    let content_type =
-        headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+    // Media types are case-insensitive (`Application/JSON`); the boundary is not, and is
+    // parsed from the header as sent.
+    let sent_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let content_type = sent_type.to_ascii_lowercase();
     let body = read_body(state, &headers, body, state.settings.max_request_size, &mut charge).await?;
     let (file, pipeline, request) = if content_type.starts_with("multipart/form-data") {
-        let boundary = multer::parse_boundary(&content_type)
+        let boundary = multer::parse_boundary(sent_type)
             .map_err(|_| bad("file", "the multipart Content-Type has no boundary"))?;
         from_form(body.clone(), boundary).await?
     } else if content_type.starts_with("application/json") {
@@ -89,7 +91,9 @@ async fn read_once(
     charge.grow(bytes.len() as u64)?;
     drop(body);
     let priority = priority(&headers, None)?;
-    let result = ocr::read(state, pipeline, bytes, request, priority).await?;
+    let result = ocr::read(state, pipeline, bytes, request, priority)
+        .await
+        .map_err(|ocr::ReadError(e, param)| OpenAiError::about(param.unwrap_or(""), e))?;
     Ok(Json(result).into_response())
 }
 
@@ -111,6 +115,9 @@ fn set_option(
     };
     match name {
         // `model`, as the rest of the `/v1` API names what serves a request.
+        "pipeline" | "model" if pipeline.is_some() => {
+            return Err(bad(name.to_string(), "`pipeline` and `model` name the same thing: send one"))
+        }
         "pipeline" | "model" => *pipeline = Some(text.to_string()),
         "use_cls" => {
             request.use_cls = Some(match text {
@@ -122,7 +129,9 @@ fn set_option(
         "min_score" => request.min_score = Some(number("min_score")?),
         "dpi" => request.dpi = Some(number("dpi")?),
         "pages" => request.pages = Some(text.to_string()),
-        _ => return Err(bad("", format!("unknown field '{name}' (the fields are: {OPTIONS})"))),
+        _ => {
+            return Err(bad(name.to_string(), format!("unknown field '{name}' (the fields are: {OPTIONS})")))
+        }
     }
     Ok(())
 }
@@ -134,7 +143,9 @@ fn option_text(name: &str, v: &Value) -> Result<String, OpenAiError> {
         Value::String(s) => Ok(s.clone()),
         Value::Number(n) => Ok(n.to_string()),
         Value::Bool(b) => Ok(b.to_string()),
-        _ => Err(bad("", format!("`{name}` must be a string, a number or true/false, not {v}"))),
+        _ => {
+            Err(bad(name.to_string(), format!("`{name}` must be a string, a number or true/false, not {v}")))
+        }
     }
 }
 
@@ -196,12 +207,12 @@ async fn from_form(
         }
         if uploaded {
             return Err(bad(
-                "file",
+                name.clone(),
                 format!("the form field '{name}' holds a file: send the document as `file`"),
             ));
         }
         let text = std::str::from_utf8(&value)
-            .map_err(|_| bad("", format!("the form field '{name}' is not text")))?;
+            .map_err(|_| bad(name.clone(), format!("the form field '{name}' is not text")))?;
         set_option(&name, text, &mut pipeline, &mut request)?;
     }
     Ok((file, pipeline, request))
@@ -221,13 +232,22 @@ async fn pipelines(State(state): State<AppState>) -> Response {
                 "cls": s.cls,
                 "rec": s.rec,
                 "use_cls": s.options.use_cls,
-                "min_score": s.options.text_score,
+                "min_score": as_written(s.options.text_score),
                 "dpi": s.dpi,
                 "page_batch": s.page_batch,
                 "limit_side_len": s.options.limit_side_len,
+                "limit_type": s.options.limit_type,
+                "det_thresh": as_written(s.options.det_thresh),
+                "box_thresh": as_written(s.options.box_thresh),
+                "unclip_ratio": as_written(s.options.unclip_ratio),
                 "detector_bytes_per_pixel": p.memory.bytes_per_pixel().round(),
             })
         })
         .collect();
     Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// An `f32` setting as the config wrote it (`0.6`, not its widened `0.6000000238418579`).
+fn as_written(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(f64::from(x))
 }

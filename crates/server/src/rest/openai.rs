@@ -1,7 +1,7 @@
 //! OpenAI-compatible `POST /v1/embeddings` and `GET /v1/models[/{model}]`, so the official SDKs
 //! work unchanged. Errors take OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
 
-use std::{fmt, time::UNIX_EPOCH};
+use std::{borrow::Cow, fmt, time::UNIX_EPOCH};
 
 use axum::{
     body::Body,
@@ -17,7 +17,7 @@ use serde::{
     Deserialize,
 };
 use serde_json::{json, value::RawValue, Value};
-use snooze_core::{EmbedInput, SnoozeError, Task};
+use snooze_core::{EmbedInput, ErrorKind, SnoozeError, Task};
 
 use super::{
     body::read_body,
@@ -34,7 +34,7 @@ pub fn routes() -> Router<AppState> {
 }
 
 /// An error in OpenAI's shape.
-pub struct OpenAiError(SnoozeError, Option<&'static str>);
+pub struct OpenAiError(SnoozeError, Option<Cow<'static, str>>);
 
 /// The names of a multipart form's fields seen so far. A field given twice is refused:
 /// which of the two should count is a guess either way. OpenAI's list fields (`...[]`)
@@ -44,28 +44,12 @@ pub(super) struct SeenFields(Vec<String>);
 
 impl SeenFields {
     pub(super) fn once(&mut self, name: &str) -> Result<(), OpenAiError> {
-        const NAMED: [&str; 13] = [
-            "file",
-            "model",
-            "pipeline",
-            "language",
-            "prompt",
-            "response_format",
-            "temperature",
-            "stream",
-            "use_cls",
-            "min_score",
-            "dpi",
-            "pages",
-            "timestamp_granularities",
-        ];
         if name.ends_with("[]") {
             return Ok(());
         }
         if self.0.iter().any(|n| n == name) {
-            let param = NAMED.iter().find(|n| **n == name).copied().unwrap_or("");
             let msg = format!("the form field '{name}' is given more than once: send it once");
-            return Err(OpenAiError::about(param, SnoozeError::invalid(msg)));
+            return Err(OpenAiError::about(name.to_string(), SnoozeError::invalid(msg)));
         }
         self.0.push(name.to_string());
         Ok(())
@@ -74,8 +58,8 @@ impl SeenFields {
 
 impl OpenAiError {
     /// `e`, naming the request field `param` it is about.
-    pub fn about(param: &'static str, e: SnoozeError) -> OpenAiError {
-        OpenAiError(e, Some(param).filter(|p| !p.is_empty()))
+    pub fn about(param: impl Into<Cow<'static, str>>, e: SnoozeError) -> OpenAiError {
+        OpenAiError(e, Some(param.into()).filter(|p| !p.is_empty()))
     }
 
     pub fn error(&self) -> &SnoozeError {
@@ -90,13 +74,13 @@ impl From<SnoozeError> for OpenAiError {
 }
 
 fn invalid(param: &'static str, msg: impl Into<String>) -> OpenAiError {
-    OpenAiError(SnoozeError::invalid(msg), Some(param))
+    OpenAiError::about(param, SnoozeError::invalid(msg))
 }
 
 impl IntoResponse for OpenAiError {
     fn into_response(self) -> Response {
         let OpenAiError(e, param) = self;
-        error_response(&e, openai_body(&e, param))
+        error_response(&e, openai_body(&e, param.as_deref()))
     }
 }
 
@@ -147,6 +131,10 @@ impl InputVisitor {
     }
 
     fn text<E: de::Error>(&self, i: usize, s: String) -> Result<String, E> {
+        // OpenAI's API refuses it too: an empty text has no meaning to embed.
+        if s.is_empty() {
+            return Err(E::custom(format_args!("input {i} is an empty string")));
+        }
         // Bytes bound the characters: count only what could be too long.
         if s.len() > self.max_chars {
             let n = s.chars().count();
@@ -363,6 +351,28 @@ pub(super) fn requested_model(body: Option<String>, headers: &HeaderMap) -> Resu
     }
 }
 
+/// The member of an embeddings body that does not parse as its type (`"dimensions": "64"`),
+/// for the error's `param`; `input` when none of the others is at fault.
+fn field_at_fault(body: &[u8]) -> &'static str {
+    fn parses<'a, T: Deserialize<'a>>(raw: Option<&&'a RawValue>) -> bool {
+        raw.is_none_or(|r| serde_json::from_str::<T>(r.get()).is_ok())
+    }
+    let Ok(fields) = serde_json::from_slice::<std::collections::HashMap<&str, &RawValue>>(body) else {
+        return "input";
+    };
+    if !parses::<Option<String>>(fields.get("model")) {
+        "model"
+    } else if !parses::<Option<String>>(fields.get("encoding_format")) {
+        "encoding_format"
+    } else if !parses::<Option<i64>>(fields.get("dimensions")) {
+        "dimensions"
+    } else if !parses::<Option<String>>(fields.get("user")) {
+        "user"
+    } else {
+        "input"
+    }
+}
+
 /// One embeddings request; `model` is set once the request names a configured model.
 async fn embed_once(
     state: &AppState,
@@ -382,7 +392,7 @@ async fn embed_once(
         if content_type.starts_with("multipart/") {
             invalid("input", format!("the body is {content_type}: send the embeddings request as JSON"))
         } else {
-            invalid("input", format!("the body is not a valid embeddings request: {e}"))
+            invalid(field_at_fault(&body), format!("the body is not a valid embeddings request: {e}"))
         }
     })?;
     let base64 = match req.encoding_format.as_deref() {
@@ -396,7 +406,7 @@ async fn embed_once(
         }
     };
     let name = requested_model(req.model, &headers)?;
-    let info = state.manager.info(&name).map_err(|e| OpenAiError(e, Some("model")))?;
+    let info = state.manager.info(&name).map_err(|e| OpenAiError::about("model", e))?;
     *model_seen = Some(name.clone());
     if info.task != Task::Embedding {
         return Err(invalid("model", format!("model '{name}' is not a text-embedding model")));
@@ -418,7 +428,12 @@ async fn embed_once(
     let model = name;
     drop(body);
     let priority = priority(&headers, None)?;
-    let (mut result, normalized) = state.manager.embed(&model, priority, input).await?;
+    // What the model refuses (a token id outside its vocabulary) is in the input.
+    let (mut result, normalized) =
+        state.manager.embed(&model, priority, input).await.map_err(|e| match e.kind {
+            ErrorKind::InvalidInput => OpenAiError::about("input", e),
+            _ => e.into(),
+        })?;
     if let Some(d) = dimensions {
         let have = result.vectors.first().map_or(usize::MAX, Vec::len);
         if d > have {
@@ -478,7 +493,7 @@ async fn model(
 ) -> Response {
     match state.manager.info(&name) {
         Ok(_) => Json(model_object(&state, &name)).into_response(),
-        Err(e) => OpenAiError(e, Some("model")).into_response(),
+        Err(e) => OpenAiError::about("model", e).into_response(),
     }
 }
 

@@ -183,6 +183,17 @@ pub struct OcrResult {
     pub usage: Usage,
 }
 
+/// Why a read failed, and the request option it is about (`pages` past the document's
+/// end), if any.
+#[derive(Debug)]
+pub struct ReadError(pub SnoozeError, pub Option<&'static str>);
+
+impl From<SnoozeError> for ReadError {
+    fn from(e: SnoozeError) -> Self {
+        ReadError(e, None)
+    }
+}
+
 /// A failure of the vision crate as a user sees it.
 pub fn vision_error(e: VisionError) -> SnoozeError {
     let kind = match e.http_status() {
@@ -237,7 +248,7 @@ pub async fn read(
     bytes: Vec<u8>,
     request: Request,
     priority: Option<Priority>,
-) -> Result<OcrResult, SnoozeError> {
+) -> Result<OcrResult, ReadError> {
     let s = &pipeline.settings;
     let decoder = pipeline.decoder.clone().map_err(|e| {
         SnoozeError::new(ErrorKind::ModelFailed, format!("OCR pipeline '{}' cannot read text: {e}", s.name))
@@ -265,13 +276,14 @@ pub async fn read(
         // Decoding allocates what no model's run should count as its own.
         let _work = WORK.begin();
         let limits = open_limits;
-        let doc = Document::open(bytes, &limits)?;
-        let pages = doc.select(selection.as_ref(), &limits)?;
-        Ok::<_, VisionError>((Arc::new(doc), pages))
+        let doc = Document::open(bytes, &limits).map_err(|e| ReadError(vision_error(e), None))?;
+        // A selection past the end or over `max_pages` is the option's fault.
+        let about = selection.as_ref().map(|_| "pages");
+        let pages = doc.select(selection.as_ref(), &limits).map_err(|e| ReadError(vision_error(e), about))?;
+        Ok::<_, ReadError>((Arc::new(doc), pages))
     })
     .await
-    .map_err(|e| SnoozeError::new(ErrorKind::Internal, format!("the document decoder stopped: {e}")))?
-    .map_err(vision_error)?;
+    .map_err(|e| SnoozeError::new(ErrorKind::Internal, format!("the document decoder stopped: {e}")))??;
     let (doc, selected) = opened;
     usage.decode_ms += ms(clock.elapsed());
     let mut pages = Vec::with_capacity(selected.len());
