@@ -464,6 +464,14 @@ impl Backend for OrtBackend {
         task_of(path)
     }
 
+    fn batch_dependent(&self, path: &Path) -> bool {
+        task_of(path) != Task::Transcription
+            && resolve_model_file(path)
+                .ok()
+                .and_then(|f| ModelFile::read(&f).ok())
+                .is_some_and(|m| m.batch_dependent)
+    }
+
     fn signature(&self, path: &Path) -> Result<ModelSignature, LoadError> {
         if task_of(path) == Task::Transcription {
             return whisper::signature(path);

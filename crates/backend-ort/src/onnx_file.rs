@@ -28,7 +28,15 @@ pub(crate) struct ModelFile {
     initializers: HashSet<String>,
     /// External-data files named by any tensor, relative to the model's folder, deduplicated.
     pub(crate) external_locations: Vec<String>,
+    /// A node quantizes its input with a scale taken from the whole tensor, so one row's
+    /// output depends on the other rows of its batch (an int8 export's
+    /// `DynamicQuantizeLinear`).
+    pub(crate) batch_dependent: bool,
 }
+
+/// Ops whose quantization scale is computed over their whole input, batch included.
+const BATCH_DEPENDENT_OPS: [&str; 3] =
+    ["DynamicQuantizeLinear", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM"];
 
 #[derive(Debug)]
 struct ValueInfo {
@@ -154,10 +162,18 @@ impl ModelFile {
         Ok(())
     }
 
-    /// A node matters only for the tensors and subgraphs in its attributes.
+    /// A node matters for its op (see `batch_dependent`) and for the tensors and subgraphs
+    /// in its attributes.
     fn node(&mut self, buf: &[u8], depth: usize, locations: &mut HashSet<String>) -> Result<(), String> {
         for field in Fields::new(buf) {
-            let (5, attr) = field? else { continue };
+            let attr = match field? {
+                (4, op) => {
+                    self.batch_dependent |= BATCH_DEPENDENT_OPS.contains(&op.string(4)?);
+                    continue;
+                }
+                (5, attr) => attr,
+                _ => continue,
+            };
             for field in Fields::new(attr.bytes(5)?) {
                 match field? {
                     (n @ (5 | 10), t) => self.tensor(t.bytes(n)?, false, locations)?,

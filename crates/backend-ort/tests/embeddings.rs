@@ -162,6 +162,23 @@ fn the_task_and_signature_come_from_the_folder() {
 }
 
 #[test]
+fn only_the_dynamically_quantized_export_answers_by_the_batch() {
+    let b = backend();
+    assert!(
+        b.batch_dependent(&model("minilm-onnx-int8")),
+        "int8's DynamicQuantizeLinear scales by the batch"
+    );
+    // Each int8 vector moves when another text shares its run: why it runs requests apart.
+    let alone = embed(int8(), &[0]);
+    let beside = embed(int8(), &[0, 1]);
+    let moved = alone[0].iter().zip(&beside[0]).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    assert!(moved > 1e-4, "int8's first vector moved by {moved} only");
+    for rows_apart in ["minilm-onnx", "mlp-10m", "whisper-tiny-en"] {
+        assert!(!b.batch_dependent(&model(rows_apart)), "{rows_apart}");
+    }
+}
+
+#[test]
 fn an_export_that_is_no_text_encoder_is_refused_before_any_session() {
     // A sentence-transformers folder whose onnx/model.onnx is the MLP (input x).
     let src = model("minilm-onnx");

@@ -245,6 +245,12 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// The model's inputs and outputs, read from its files without loading it.
     fn signature(&self, path: &std::path::Path) -> Result<ModelSignature, LoadError>;
+    /// Whether what the model answers for one row depends on the other rows run beside
+    /// it (dynamic quantization takes its scale from the whole batch). Such a model never
+    /// merges requests into one run: a request's answer must not depend on who else sent one.
+    fn batch_dependent(&self, _path: &std::path::Path) -> bool {
+        false
+    }
     /// The one-time work still to do before the model can load in the form `weights`
     /// names (an ORT-format copy, a prepacked copy, cached on disk), as the bytes it
     /// holds at its peak; `None` when there is none. Until it is done, a load serves the

@@ -241,6 +241,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
             promotable: promotable(m, weights),
             low_cpu_priority: m.low_cpu_priority,
         };
+        let batch_dependent = backend.batch_dependent(&m.path);
         models.push(ModelEntry {
             policy,
             backend,
@@ -254,6 +255,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
                 weights.as_str()
             ),
             weights,
+            batch_dependent,
         });
     }
     let gpus = gpu::detect();

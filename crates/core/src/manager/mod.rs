@@ -54,6 +54,9 @@ pub struct ModelEntry {
     pub fingerprint: String,
     /// How its weights are held (resolved: not `Auto`).
     pub weights: Weights,
+    /// Its answers depend on the batch (see `Backend::batch_dependent`): requests run
+    /// apart, each as one batch of its own rows.
+    pub batch_dependent: bool,
 }
 
 pub struct ManagerConfig {
@@ -82,7 +85,8 @@ pub struct ModelInfo {
     pub task: Task,
     pub path: PathBuf,
     pub signature: Result<ModelSignature, String>,
-    /// Requests may share a run (the batch dimension is dynamic and `max_batch_size > 1`).
+    /// Requests may share a run (the batch dimension is dynamic, `max_batch_size > 1` and
+    /// the answers do not depend on the batch).
     pub batchable: bool,
     /// How its weights are held.
     pub weights: Weights,
@@ -242,7 +246,7 @@ impl ModelManager {
                 task: entry.backend.task(&entry.path),
                 path: entry.path.clone(),
                 signature: entry.signature,
-                batchable,
+                batchable: batchable && !entry.batch_dependent,
                 weights: entry.weights,
             });
             backends.push((entry.backend, entry.path, entry.weights));

@@ -217,6 +217,7 @@ fn setup_full(
                 preload: false,
                 fingerprint: String::new(),
                 weights: crate::Weights::Prepacked,
+                batch_dependent: false,
             }
         })
         .collect();
@@ -277,6 +278,23 @@ async fn concurrent_first_requests_share_one_load_and_one_batch() {
     doubled(&c.unwrap(), 3, 20.0);
     assert_eq!(s.backend.loads.load(Ordering::SeqCst), 1);
     assert_eq!(*s.backend.runs.lock().unwrap(), [6], "one run of 1 + 2 + 3 rows");
+}
+
+#[tokio::test]
+async fn a_batch_dependent_model_runs_each_request_alone_with_all_its_rows() {
+    let s = setup_full(&["a"], KeepAlive::Forever, |_| {}, |c| c.models[0].batch_dependent = true);
+    assert!(!s.m.info("a").unwrap().batchable);
+    let (a, b, c) = tokio::join!(
+        s.m.infer("a", None, rows(1, 0.0), vec![]),
+        s.m.infer("a", None, rows(2, 10.0), vec![]),
+        s.m.infer("a", None, rows(3, 20.0), vec![]),
+    );
+    doubled(&a.unwrap(), 1, 0.0);
+    doubled(&b.unwrap(), 2, 10.0);
+    doubled(&c.unwrap(), 3, 20.0);
+    let mut runs = s.backend.runs.lock().unwrap().clone();
+    runs.sort_unstable();
+    assert_eq!(runs, [1, 2, 3], "each request in a run of its own, none split");
 }
 
 #[tokio::test]
@@ -525,6 +543,7 @@ async fn a_full_gpu_falls_back_to_the_cpu_by_the_probe() {
         preload: false,
         fingerprint: String::new(),
         weights: crate::Weights::Prepacked,
+        batch_dependent: false,
     };
     let gpu = Arc::new(FakeProbe { free: Arc::new(AtomicU64::new(10 * MB)), process: process.clone() });
     let m = ModelManager::start(ManagerConfig {
