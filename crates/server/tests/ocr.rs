@@ -30,7 +30,8 @@ fn config(extra: &str) -> String {
          [models.ocr-rec]\npath = \"{0}/ocr-rec\"\n\
          [models.mlp-10m]\npath = \"{0}/mlp-10m\"\n\
          [pipelines.ocr]\ndet = \"ocr-det\"\ncls = \"ocr-cls\"\nrec = \"ocr-rec\"\n{extra}\n\
-         [pipelines.no-cls]\ndet = \"ocr-det\"\nrec = \"ocr-rec\"\n",
+         [pipelines.no-cls]\ndet = \"ocr-det\"\nrec = \"ocr-rec\"\n\
+         [pipelines.swapped]\ndet = \"ocr-rec\"\nrec = \"ocr-det\"\n",
         dir.display()
     )
 }
@@ -151,7 +152,15 @@ fn a_pdf_is_read_page_by_page_as_multipart_or_json() {
     assert_eq!(status, 200);
     let names: Vec<&str> =
         list["data"].as_array().unwrap().iter().map(|p| p["id"].as_str().unwrap()).collect();
-    assert_eq!(names, ["no-cls", "ocr"]);
+    assert_eq!(names, ["no-cls", "ocr", "swapped"]);
+    // Stages swapped: said at once, by name, not by ONNX Runtime halfway through a page.
+    let problem = list["data"][2]["error"].as_str().unwrap_or_default();
+    assert!(problem.starts_with("'ocr-rec' (det) is not a detector"), "{}", list["data"][2]);
+    assert_eq!(list["data"][1]["error"], Value::Null);
+    let small = std::fs::read(fixtures().join("ocr_pages/small.png")).unwrap();
+    let (status, body) = ocr(&server, small, "small.png", &[("pipeline", "swapped")]);
+    assert_eq!(status, 500, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("is not a detector"), "{body}");
     // Its settings as configured (rapidocr's defaults here), f32s as written.
     let ocr = &list["data"][1];
     assert_eq!(

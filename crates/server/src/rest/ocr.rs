@@ -241,6 +241,8 @@ async fn pipelines(State(state): State<AppState>) -> Response {
                 "box_thresh": as_written(s.options.box_thresh),
                 "unclip_ratio": as_written(s.options.unclip_ratio),
                 "detector_bytes_per_pixel": p.memory.bytes_per_pixel().round(),
+                // Why every request to it is refused (a stage that is no such model).
+                "error": p.problem(),
             })
         })
         .collect();

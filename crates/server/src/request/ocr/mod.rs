@@ -48,21 +48,25 @@ pub struct Pipeline {
 pub struct Pipelines(Vec<Pipeline>);
 
 impl Pipelines {
-    /// Reads each pipeline's dictionary: `keys.txt` beside the recogniser (one character a
-    /// line, as PaddleOCR ships it), else its ONNX `character` metadata (rapidocr's).
+    /// Checks each stage's model is one (by its output's rank) and reads the pipeline's
+    /// dictionary: `keys.txt` beside the recogniser (one character a line, as PaddleOCR
+    /// ships it), else its ONNX `character` metadata (rapidocr's).
     pub fn load(settings: &[PipelineSettings], models: &[ModelInfo]) -> Pipelines {
         Pipelines(
             settings
                 .iter()
                 .map(|s| {
-                    let decoder = models
-                        .iter()
-                        .find(|m| m.name == s.rec)
-                        .ok_or_else(|| format!("no model '{}'", s.rec))
+                    let decoder = stages_fit(s, models)
+                        .and_then(|()| {
+                            models
+                                .iter()
+                                .find(|m| m.name == s.rec)
+                                .ok_or_else(|| format!("no model '{}'", s.rec))
+                        })
                         .and_then(|m| dictionary(&m.path))
                         .map(|keys| Arc::new(CtcDecoder::from_keys(&keys)));
                     if let Err(e) = &decoder {
-                        tracing::warn!(pipeline = %s.name, error = %e, "the recogniser's dictionary cannot be read: the pipeline will refuse requests");
+                        tracing::warn!(pipeline = %s.name, error = %e, "the pipeline will refuse requests");
                     }
                     Pipeline { settings: s.clone(), decoder, memory: PixelMemory::default() }
                 })
@@ -90,6 +94,39 @@ impl Pipelines {
             )
         })
     }
+}
+
+impl Pipeline {
+    /// Why the pipeline refuses every request (a stage that is no such model, no
+    /// dictionary), if it does.
+    pub fn problem(&self) -> Option<&str> {
+        self.decoder.as_ref().err().map(String::as_str)
+    }
+}
+
+/// Each stage's model by the rank of its first output: the detector's probability map
+/// `[N, 1, H, W]`, the classifier's `[N, 2]`, the recogniser's `[N, T, classes]` — so a
+/// pipeline with two stages swapped says so instead of failing inside ONNX Runtime.
+fn stages_fit(s: &PipelineSettings, models: &[ModelInfo]) -> Result<(), String> {
+    let stages = [
+        ("det", Some(&s.det), 4, "detector"),
+        ("cls", s.cls.as_ref(), 2, "direction classifier"),
+        ("rec", Some(&s.rec), 3, "recogniser"),
+    ];
+    for (key, name, rank, role) in stages {
+        let Some(name) = name else { continue };
+        let Some(Ok(signature)) = models.iter().find(|m| &m.name == name).map(|m| m.signature.as_ref())
+        else {
+            continue;
+        };
+        if let Some(out) = signature.outputs.first().filter(|o| o.shape.len() != rank) {
+            return Err(format!(
+                "'{name}' ({key}) is not a {role}: its output '{}' has shape {:?}, a {role}'s has {rank} dimensions",
+                out.name, out.shape
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn dictionary(path: &std::path::Path) -> Result<String, String> {
@@ -369,7 +406,49 @@ pub async fn read(
 
 #[cfg(test)]
 mod tests {
+    use snooze_core::{DataType, ModelSignature, TensorSpec, Weights};
+
     use super::*;
+
+    fn info(name: &str, output: &[i64]) -> ModelInfo {
+        let spec = |n: &str, shape: &[i64]| TensorSpec {
+            name: n.into(),
+            datatype: DataType::Fp32,
+            shape: shape.to_vec(),
+        };
+        ModelInfo {
+            name: name.into(),
+            backend: "onnx",
+            task: snooze_core::Task::Tensor,
+            path: "/nowhere".into(),
+            signature: Ok(ModelSignature {
+                platform: "onnxruntime_onnx".into(),
+                inputs: vec![spec("x", &[-1, 3, -1, -1])],
+                outputs: vec![spec("y", output)],
+            }),
+            batchable: true,
+            weights: Weights::Prepacked,
+        }
+    }
+
+    #[test]
+    fn a_stage_whose_model_does_another_job_is_named() {
+        let models = [info("det", &[-1, 1, -1, -1]), info("cls", &[-1, 2]), info("rec", &[-1, -1, 6625])];
+        let settings = |det: &str, cls: &str, rec: &str| PipelineSettings {
+            name: "p".into(),
+            det: det.into(),
+            cls: Some(cls.into()),
+            rec: rec.into(),
+            options: OcrOptions::default(),
+            dpi: 150.0,
+            page_batch: 2,
+        };
+        assert_eq!(stages_fit(&settings("det", "cls", "rec"), &models), Ok(()));
+        let swapped = stages_fit(&settings("rec", "cls", "det"), &models).unwrap_err();
+        assert!(swapped.starts_with("'rec' (det) is not a detector"), "{swapped}");
+        let cls = stages_fit(&settings("det", "det", "rec"), &models).unwrap_err();
+        assert!(cls.contains("is not a direction classifier"), "{cls}");
+    }
 
     #[test]
     fn usage_times_are_written_to_the_microsecond() {
