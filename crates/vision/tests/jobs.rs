@@ -133,6 +133,17 @@ fn boxed<T: TaskJob>(jobs: Vec<T>) -> Vec<Box<dyn TaskJob>> {
 
 /// Pages read together, stage after stage, as the server's jobs would be.
 fn read_together(images: &[&BgrImage], stages: &Stages, max_rows: u32) -> Vec<(Page, StageTimes)> {
+    read_counting_runs(images, stages, max_rows).0
+}
+
+/// [`read_together`], and the runs per stage the pages' jobs say they took part in, each
+/// counted once (what a request's `usage.runs` reports).
+fn read_counting_runs(
+    images: &[&BgrImage],
+    stages: &Stages,
+    max_rows: u32,
+) -> (Vec<(Page, StageTimes)>, [usize; 3]) {
+    let mut ids: [std::collections::BTreeSet<u64>; 3] = Default::default();
     let options = OcrOptions::default();
     let det = images.iter().map(|image| DetJob::new(image, &options).unwrap()).collect();
     let (det, _) = drive(&stages.det, boxed(det), max_rows);
@@ -140,7 +151,8 @@ fn read_together(images: &[&BgrImage], stages: &Stages, max_rows: u32) -> Vec<(P
     let mut cls = Vec::new();
     for job in det {
         let job = downcast::<DetJob>(job);
-        let det_times = *job.times();
+        let det_times = job.times().clone();
+        ids[0].extend(&det_times.run_ids);
         let mut page = job.into_result().unwrap();
         cls.push(ClsJob::new(std::mem::take(&mut page.crops), &options));
         found.push((page, det_times));
@@ -150,19 +162,23 @@ fn read_together(images: &[&BgrImage], stages: &Stages, max_rows: u32) -> Vec<(P
     let mut rec = Vec::new();
     for job in cls {
         let job = downcast::<ClsJob>(job);
-        cls_times.push(*job.times());
+        cls_times.push(job.times().clone());
+        ids[1].extend(&job.times().run_ids);
         rec.push(RecJob::new(job.into_crops(), &options, models().decoder.clone()));
     }
     let (rec, _) = drive(&stages.rec, boxed(rec), max_rows);
-    rec.into_iter()
+    let pages = rec
+        .into_iter()
         .zip(found)
         .zip(cls_times)
         .map(|((job, (page, det_times)), cls_times)| {
             let job = downcast::<RecJob>(job);
             let times = page_times(&det_times, &cls_times, job.times());
+            ids[2].extend(&job.times().run_ids);
             (page.assemble(job.texts(), options.text_score), times)
         })
-        .collect()
+        .collect();
+    (pages, ids.map(|s| s.len()))
 }
 
 fn fixture_pages() -> Vec<(String, BgrImage)> {
@@ -229,7 +245,7 @@ fn pages_queued_together_share_runs_and_read_the_same() {
     let pages = fixture_pages();
     let stages = Stages::new();
     let images: Vec<&BgrImage> = pages.iter().map(|(_, image)| image).collect();
-    let together = read_together(&images, &stages, 32);
+    let (together, counted) = read_counting_runs(&images, &stages, 32);
     for ((page, _), (file, alone, _)) in together.iter().zip(alone()) {
         assert_eq!(page, alone, "{file}: read together, the page changed");
     }
@@ -240,6 +256,7 @@ fn pages_queued_together_share_runs_and_read_the_same() {
         }
     }
     let runs = stages.runs();
+    assert_eq!(counted, runs, "a run the pages shared is counted once");
     println!(
         "{} pages: runs alone (det, cls, rec) {alone_runs:?}, together {runs:?}; detector batches {:?}, \
          classifier {:?}, recogniser {:?}",

@@ -125,7 +125,7 @@ fn classify(model: &dyn LoadedModel, group: &mut [(usize, &mut ClsJob)]) -> Resu
     let sizes: Vec<usize> = group.iter().map(|(_, job)| job.crops.next_batch().len()).collect();
     let total = sizes.iter().sum();
     let input = cls_input(&group.iter().flat_map(|(_, job)| job.crops.next_crops()).collect::<Vec<_>>());
-    let mut cost = RunCost { pre: clock.elapsed(), rows: total, jobs: group.len(), ..RunCost::default() };
+    let mut cost = RunCost::start(clock.elapsed(), total, group.len());
     let clock = Instant::now();
     let output = run_model(model, input, "classifier")?;
     cost.model = clock.elapsed();

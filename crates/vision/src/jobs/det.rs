@@ -202,8 +202,7 @@ fn detect(model: &dyn LoadedModel, group: &mut [(usize, &mut DetJob)]) -> Result
     }
     let shape = vec![group.len() as i64, 3, height as i64, width as i64];
     let input = Tensor::new("x", shape, TensorData::Fp32(data));
-    let mut cost =
-        RunCost { pre: clock.elapsed(), rows: group.len(), jobs: group.len(), ..RunCost::default() };
+    let mut cost = RunCost::start(clock.elapsed(), group.len(), group.len());
     let clock = Instant::now();
     let output = run_model(model, input, "detector")?;
     cost.model = clock.elapsed();

@@ -50,7 +50,7 @@ pub use rec::{run_rec_slice, RecJob};
 
 /// Time one job spent in its stage. Work done for a whole shared run (building its
 /// input, the model) is shared out over the jobs by the crops (or pages) each put in.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct JobTimes {
     /// Before the model: the page's bounds and padding, resizing and normalising inputs.
     pub pre: Duration,
@@ -59,6 +59,9 @@ pub struct JobTimes {
     pub post: Duration,
     /// Model runs the job took part in.
     pub runs: u32,
+    /// Which: each run's number (see `RunCost::id`), so a request whose pages shared a
+    /// run counts it once.
+    pub run_ids: Vec<u64>,
     /// Of those, runs shared with other jobs.
     pub shared_runs: u32,
 }
@@ -67,6 +70,8 @@ pub struct JobTimes {
 /// before it is shared out over the jobs in it.
 #[derive(Debug, Clone, Copy, Default)]
 struct RunCost {
+    /// The run's number, unique in the process.
+    id: u64,
     pre: Duration,
     model: Duration,
     post: Duration,
@@ -83,7 +88,17 @@ impl JobTimes {
         self.model += run.model.mul_f64(share);
         self.post += run.post.mul_f64(share);
         self.runs += 1;
+        self.run_ids.push(run.id);
         self.shared_runs += u32::from(run.jobs > 1);
+    }
+}
+
+impl RunCost {
+    /// A new run's cost, numbered.
+    fn start(pre: Duration, rows: usize, jobs: usize) -> RunCost {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        RunCost { id, pre, rows, jobs, ..RunCost::default() }
     }
 }
 

@@ -144,7 +144,7 @@ fn recognize(model: &dyn LoadedModel, group: &mut [(usize, &mut RecJob)]) -> Res
     let sizes: Vec<usize> = group.iter().map(|(_, job)| job.crops.next_batch().len()).collect();
     let total = sizes.iter().sum();
     let input = rec_input(&group.iter().flat_map(|(_, job)| job.crops.next_crops()).collect::<Vec<_>>());
-    let cost = RunCost { pre: clock.elapsed(), rows: total, jobs: group.len(), ..RunCost::default() };
+    let cost = RunCost::start(clock.elapsed(), total, group.len());
     let clock = Instant::now();
     let output = run_model(model, input, "recogniser")?;
     let cost = RunCost { model: clock.elapsed(), ..cost };

@@ -206,8 +206,11 @@ pub struct Usage {
     pub cls_ms: f64,
     #[serde(serialize_with = "to_microseconds")]
     pub rec_ms: f64,
-    /// Model runs per stage this request took part in.
+    /// Model runs per stage this request took part in, each once however many of its
+    /// pages shared it.
     pub runs: [u32; 3],
+    #[serde(skip)]
+    run_ids: [std::collections::BTreeSet<u64>; 3],
     pub downscaled: Vec<Downscaled>,
     /// Stages skipped (`cls` under critical memory pressure) and why.
     pub degraded: Vec<String>,
@@ -257,7 +260,8 @@ fn add(usage: &mut Usage, stage: usize, t: &JobTimes) {
         1 => usage.cls_ms += spent,
         _ => usage.rec_ms += spent,
     }
-    usage.runs[stage] += t.runs;
+    usage.run_ids[stage].extend(&t.run_ids);
+    usage.runs[stage] = usage.run_ids[stage].len() as u32;
 }
 
 /// Runs `job` on `model` unless it has nothing to do, and hands it back typed.
@@ -359,7 +363,7 @@ pub async fn read(
         for d in dets {
             let d = d?;
             add(&mut usage, 0, d.times());
-            let times = *d.times();
+            let times = d.times().clone();
             let page = d
                 .into_result()
                 .ok_or_else(|| SnoozeError::new(ErrorKind::Internal, "the detector left a page unread"))?;
