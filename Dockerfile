@@ -69,6 +69,8 @@ CMD ["--config", "/etc/snooze/snooze.toml"]
 
 FROM base AS demo
 COPY --from=models /opt/demo-models /models
+# model_dir finds every demo model; /v1/ocr's pipeline must be named (deploy/docker/demo.toml).
+COPY deploy/docker/demo.toml /etc/snooze/snooze.toml
 # The one-time copies the models load fastest from (ORT format, prepacked), made now into
 # the image's state dir, so the first requests of every container skip them.
 RUN ["/usr/local/bin/snooze", "prepare", "--config", "/etc/snooze/snooze.toml"]

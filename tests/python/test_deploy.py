@@ -453,6 +453,22 @@ class ConfigTest(unittest.TestCase):
         with open(self.image_config) as f:
             self.check(f.read(), "deploy/docker/snooze.toml")
 
+    def test_demo_config_serves_every_task_of_the_demo_models(self):
+        # The demo target's models are `make prepare`'s, i.e. the repository's models/.
+        with open(os.path.join(ROOT, "deploy", "docker", "demo.toml")) as f:
+            text = f.read()
+        self.assertIn("COPY deploy/docker/demo.toml /etc/snooze/snooze.toml", read("Dockerfile"))
+        with tempfile.TemporaryDirectory(prefix="snooze-demo-") as tmp:
+            path = os.path.join(tmp, "snooze.toml")
+            with open(path, "w") as f:
+                f.write(text)
+            r = subprocess.run([BINARY, "check", path, "--model-dir", os.path.join(ROOT, "models")],
+                               capture_output=True, text=True, timeout=30)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        for served in ("model:    whisper-tiny-en (onnx", "model:    whisper-base (onnx",
+                       "model:    minilm-onnx (onnx", "pipeline: ocr (det ocr-det, cls ocr-cls, rec ocr-rec)"):
+            self.assertIn(served, r.stdout, "the demo image would not serve it")
+
     def test_deployment_wiring(self):
         server = tomllib.loads(self.configmap_toml())["server"]
         c, pod = self.container, self.pod

@@ -354,10 +354,12 @@ pub async fn serve(
     };
     let drain = state.clone();
     // gRPC stops once the drain is over; until then its calls are refused like REST's.
-    let (drained, mut drained_rx) = tokio::sync::watch::channel(false);
+    // Set once the drain is over, to the grace connections then get.
+    let (drained, drained_rx) = tokio::sync::watch::channel(None::<std::time::Duration>);
     let grpc = grpc.map(|l| {
+        let mut drained_rx = drained_rx.clone();
         tokio::spawn(grpc::serve(l, state.clone(), async move {
-            let _ = drained_rx.wait_for(|d| *d).await;
+            let _ = drained_rx.wait_for(Option::is_some).await;
         }))
     });
     let stop = async move {
@@ -367,23 +369,38 @@ pub async fn serve(
         let timeout = drain.settings.shutdown_timeout;
         if drain.manager.shutdown(timeout).await {
             tracing::info!("all models unloaded");
+            // Every answer is made; a slow reader gets this long to take it.
+            CLOSE_GRACE
         } else {
             tracing::warn!(
                 timeout_s = timeout.as_secs_f64(),
-                "requests still running at shutdown_timeout; exiting anyway"
+                "requests still running at shutdown_timeout; closing their connections and exiting"
             );
+            std::time::Duration::ZERO
         }
     };
     let stop = async move {
-        stop.await;
-        let _ = drained.send(true);
+        let grace = stop.await;
+        let _ = drained.send(Some(grace));
+        grace
     };
     listener::serve(listener, router(state.clone()), limits, stop).await;
     if let Some(task) = grpc {
-        task.await??;
+        // gRPC calls still running get the same grace as REST's connections.
+        let grace = (*drained_rx.borrow()).unwrap_or_default();
+        match tokio::time::timeout(grace, task).await {
+            Ok(served) => served??,
+            Err(_) => tracing::warn!(
+                grace_s = grace.as_secs_f64(),
+                "gRPC calls still open after shutdown; closing them"
+            ),
+        }
     }
     Ok(())
 }
+
+/// After a clean drain, how long connections get to take the answers already made.
+const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Re-reads `api_keys_file` on every SIGHUP: keys rotate without a restart (a file that
 /// cannot be read, or names no key, leaves the keys in force as they were).

@@ -40,25 +40,23 @@ pub struct ConnectionLimits {
     pub max_connections: usize,
 }
 
-/// After the server stops accepting, how long open connections get to finish.
-const CLOSE_GRACE: Duration = Duration::from_secs(10);
-
-/// Serves `app` on `listener` until `stop` resolves; then stops accepting, asks every
-/// connection to close once its request is answered, and waits (bounded) for them.
+/// Serves `app` on `listener` until `stop` resolves to a grace; then stops accepting, asks
+/// every connection to close once its request is answered, and waits for them at most
+/// that long (for answers already made to be written out).
 pub async fn serve(
     listener: TcpListener,
     app: Router,
     limits: ConnectionLimits,
-    stop: impl Future<Output = ()>,
+    stop: impl Future<Output = Duration>,
 ) {
     let permits = Arc::new(Semaphore::new(limits.max_connections));
     let (closing_tx, closing) = watch::channel(false);
     tokio::pin!(stop);
-    loop {
+    let grace = loop {
         // At max_connections, stop accepting: new clients wait in the kernel's queue.
         let permit = tokio::select! {
-            p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-            () = &mut stop => break,
+            p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break Duration::ZERO },
+            grace = &mut stop => break grace,
         };
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -70,7 +68,7 @@ pub async fn serve(
                     continue;
                 }
             },
-            () = &mut stop => break,
+            grace = &mut stop => break grace,
         };
         let _ = stream.set_nodelay(true);
         let app = app.clone();
@@ -80,12 +78,12 @@ pub async fn serve(
             tracing::trace!(%peer, "connection closed");
             drop(permit);
         });
-    }
+    };
     drop(listener);
     let _ = closing_tx.send(true);
     let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
-    if tokio::time::timeout(CLOSE_GRACE, permits.acquire_many(all)).await.is_err() {
-        tracing::warn!("connections still open {}s after shutdown; closing them", CLOSE_GRACE.as_secs());
+    if tokio::time::timeout(grace, permits.acquire_many(all)).await.is_err() {
+        tracing::warn!(grace_s = grace.as_secs_f64(), "connections still open after shutdown; closing them");
     }
 }
 

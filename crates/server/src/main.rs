@@ -3,10 +3,10 @@
 use std::{path::PathBuf, process::ExitCode};
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
-use snooze_core::units::format_bytes;
+use snooze_core::units::{format_bytes, MemorySize};
 use snooze_server::{
     client,
-    config::{self, RawServer, DEFAULT_CONFIG},
+    config::{self, MemoryLimit, RawServer, DEFAULT_CONFIG},
 };
 
 /// SnoozeML: serve many ML models from a machine that cannot hold them all at once.
@@ -362,11 +362,12 @@ fn check(path: PathBuf, model_dir: Option<PathBuf>, overrides: RawServer) -> any
     let config = load_config(Some(&path), overrides, model_dir)?;
     println!("{}: ok", path.display());
     println!("listen:   {} (gRPC: {})", config.server.http_address, config.server.grpc_address);
-    println!(
-        "budget:   {:?}, headroom {}",
-        config.server.host_memory_limit,
-        format_bytes(config.server.headroom)
-    );
+    let budget = match config.server.host_memory_limit {
+        MemoryLimit::Auto => "auto (the machine's or its cgroup's memory)".to_string(),
+        MemoryLimit::Size(MemorySize::Bytes(b)) => format_bytes(b),
+        MemoryLimit::Size(MemorySize::Percent(p)) => format!("{p}% of the machine's memory"),
+    };
+    println!("budget:   {budget}, headroom {}", format_bytes(config.server.headroom));
     for m in &config.models {
         println!("model:    {} ({}, {})", m.name, m.backend.name(), m.path.display());
     }
@@ -399,7 +400,13 @@ fn main() -> ExitCode {
             init_logs(args.log_format);
             let overrides = matches.subcommand_matches("serve").map(overrides).unwrap_or_default();
             match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-                Ok(rt) => rt.block_on(serve(*args, overrides)),
+                Ok(rt) => {
+                    let served = rt.block_on(serve(*args, overrides));
+                    // A run still going after shutdown_timeout (its request was cut off)
+                    // must not hold the exit: dropping the runtime would wait for it.
+                    rt.shutdown_timeout(std::time::Duration::from_millis(500));
+                    served
+                }
                 Err(e) => Err(e.into()),
             }
         }

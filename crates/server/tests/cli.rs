@@ -330,3 +330,38 @@ fn client_commands_say_when_the_server_is_unreachable() {
         );
     }
 }
+
+#[test]
+fn a_run_still_going_at_shutdown_timeout_does_not_hold_the_exit() {
+    let config = format!(
+        "[server]\nshutdown_timeout = \"1s\"\nintra_op_threads = 1\n\
+         [models.m]\npath = \"{}/mlp-100m-1\"\nmax_batch_size = 4096\n",
+        models_dir().display()
+    );
+    let s = Server::start("shutdown-timeout", &config, &[]);
+    let r = reference("mlp-100m-1");
+    assert_eq!(s.post("/v2/models/m/infer", &infer_body(&r)).0, 200);
+    // One run of 4096 rows on one thread: seconds, past shutdown_timeout.
+    let rows = 4096;
+    let body = json!({"inputs": [{"name": "x", "shape": [rows, 256], "datatype": "FP32", "data": vec![0.5f32; rows * 256]}]});
+    let url = s.url("/v2/models/m/infer");
+    let long = std::thread::spawn(move || client().post(url).json(&body).send().map(|r| r.status().as_u16()));
+    s.wait_for("the long run to start", |s| s.model("m")["leases"].as_u64() == Some(1));
+    let started = std::time::Instant::now();
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
+    let mut s = s;
+    let status = loop {
+        if let Some(status) = s.child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(started.elapsed().as_secs() < 30, "the server still runs 30 s after SIGTERM");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let took = started.elapsed();
+    assert!(status.success(), "{status:?}");
+    assert!(took.as_secs_f64() < 6.0, "exited {took:?} after SIGTERM with shutdown_timeout = 1s");
+    // Cut off at shutdown_timeout, not answered once the run ended (what held the exit).
+    assert!(long.join().expect("client").is_err(), "the request still running got an answer");
+    assert!(!s.log_lines("closing their connections and exiting").is_empty());
+}

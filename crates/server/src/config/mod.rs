@@ -227,6 +227,23 @@ mod tests {
     }
 
     #[test]
+    fn model_dir_finds_whisper_folders_too() {
+        let d = dir();
+        std::fs::create_dir_all(d.join("found/tiny")).unwrap();
+        std::fs::write(d.join("found/tiny/whisper.json"), b"{}").unwrap();
+        std::fs::create_dir_all(d.join("found/notes")).unwrap();
+        let c = resolve(
+            parse_file("[server]\nmodel_dir = \"found\"\n", "test").unwrap(),
+            RawServer::default(),
+            None,
+            &d,
+        )
+        .unwrap();
+        let names: Vec<_> = c.models.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["tiny"], "a folder of no model is not one");
+    }
+
+    #[test]
     fn cpu_priority_is_low_for_long_work_unless_the_config_says_otherwise() {
         let d = dir();
         std::fs::create_dir_all(d.join("repo/w")).unwrap();

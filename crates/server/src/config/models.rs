@@ -219,6 +219,7 @@ pub fn discover(dir: &Path, key: &str) -> Result<Vec<(String, PathBuf)>, ConfigE
         if path.join("model.onnx").is_file()
             || path.join("1").join("model.onnx").is_file()
             || snooze_text::is_sentence_model(&path)
+            || snooze_speech::whisper::is_whisper_folder(&path)
         {
             found.push((name, path));
         }

@@ -150,13 +150,14 @@ server_settings! {
     /// Where the server keeps its state (learned footprints, weight caches); relative to
     /// the config file (to the working directory when given by flag or env).
     state_dir: PathBuf = ".snooze";
-    /// A model repository: each sub-folder with `model.onnx` or `1/model.onnx`, or a
-    /// sentence-transformers folder (`modules.json`), is a model named after the folder
-    /// (a `[models.NAME]` entry of the same name wins). Relative to the config file (to
+    /// A model repository: each sub-folder with `model.onnx` or `1/model.onnx`, a
+    /// sentence-transformers folder (`modules.json`) or a Whisper folder (`whisper.json`)
+    /// is a model named after the folder (a `[models.NAME]` entry of the same name wins;
+    /// an OCR pipeline still needs its `[pipelines.NAME]`). Relative to the config file (to
     /// the working directory when given by flag or env).
     model_dir: Option<PathBuf> = "";
     /// On SIGTERM/SIGINT, how long requests in flight may finish before models are
-    /// unloaded.
+    /// unloaded; one still running then has its connection closed, and the server exits.
     shutdown_timeout: Duration = "30s";
     /// Longest a request waits for its model to load, and a repository load or unload
     /// for its model (then 503; the load or unload goes on).
