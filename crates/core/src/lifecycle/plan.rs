@@ -283,7 +283,8 @@ impl Scheduler {
     }
 
     /// The waiting model among `which` that loads next on `device`: highest priority,
-    /// then longest waiting.
+    /// then one that models were evicted for (the room is its: the model evicted for it,
+    /// whose queue may be older, would take it back and starve it), then longest waiting.
     fn next_to_load(&self, device: &Device, which: impl Fn(&super::ModelSlot) -> bool) -> Option<ModelId> {
         self.slots
             .iter()
@@ -297,7 +298,7 @@ impl Scheduler {
             .max_by_key(|(_, s)| {
                 let loads = (!s.load_waiters.is_empty()).then_some(super::Priority::Normal);
                 let top = s.queue.top().max(loads);
-                (top, std::cmp::Reverse(self.waiting_since(s)))
+                (top, s.evicted_for > 0, std::cmp::Reverse(self.waiting_since(s)))
             })
             .map(|(id, _)| id)
     }

@@ -198,6 +198,26 @@ fn a_cold_model_is_not_starved_past_max_swap_delay() {
 }
 
 #[test]
+fn the_model_a_swap_evicted_for_loads_next_though_the_evicted_queue_is_older() {
+    // Budget for one. a's queue is older than b's request; once a has drained for b, the
+    // room is b's, not a's again (which would leave b waiting behind a's whole queue).
+    let mut h = Harness::with(150, &[("a", 100), ("b", 100)], |p| p.max_batch_size = 1);
+    let r0 = h.use_model("a").unwrap();
+    for i in 0..3 {
+        h.at(0.001 * (i + 1) as f64);
+        h.submit("a");
+    }
+    h.at(0.01);
+    let (rb, _) = h.submit("b");
+    h.at(1.0); // past the swap delay: a drains
+    h.finish(r0);
+    assert_eq!(h.evictions(), ["a"]);
+    assert_eq!(h.outcome(rb), Some(Ok(())), "b runs once a is out");
+    assert_eq!(h.loads(), ["a", "b"], "a was not loaded again ahead of b");
+    assert_eq!(h.s.slot(0).queued(), 3, "a's queue waits for a's turn");
+}
+
+#[test]
 fn a_model_just_loaded_serves_everything_that_waited_for_it_before_it_can_be_evicted() {
     let mut h = Harness::with(150, &[("a", 100), ("b", 100)], |p| p.max_batch_size = 1);
     let (r1, a) = h.submit("a");
