@@ -354,9 +354,6 @@ fn cases() -> Vec<Case> {
         )
         .contains("vocabulary")
         .param("input"),
-        Case::post("embeddings: an empty string", emb, r#"{"model":"minilm","input":["a",""]}"#, 400)
-            .contains("input 1 is an empty string")
-            .param("input"),
         Case::post(
             "embeddings: dimensions as a string",
             emb,

@@ -131,10 +131,6 @@ impl InputVisitor {
     }
 
     fn text<E: de::Error>(&self, i: usize, s: String) -> Result<String, E> {
-        // OpenAI's API refuses it too: an empty text has no meaning to embed.
-        if s.is_empty() {
-            return Err(E::custom(format_args!("input {i} is an empty string")));
-        }
         // Bytes bound the characters: count only what could be too long.
         if s.len() > self.max_chars {
             let n = s.chars().count();
