@@ -112,7 +112,7 @@ impl Scheduler {
         s.state = SlotState::Ready { device, last_used: now, loaded_at: now, footprint };
         // It serves what waited for it before anything may evict it.
         s.owed = s.queue.len();
-        for (req, _) in std::mem::take(&mut s.load_waiters) {
+        for (req, _) in std::mem::take(&mut s.load_waiters).into_iter().filter(|(r, _)| *r != NOBODY) {
             self.actions.push(Action::Reply { req, result: Ok(()) });
         }
         self.maybe_unload_after_work(model);

@@ -53,6 +53,9 @@ pub type ModelId = usize;
 /// Identifies one waiting caller; chosen by the shell, unique while in flight.
 pub type RequestId = u64;
 
+/// A load waiter whose caller stopped waiting: the load goes on, its answer goes nowhere.
+const NOBODY: RequestId = RequestId::MAX;
+
 /// Server-wide knobs of the scheduler.
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {

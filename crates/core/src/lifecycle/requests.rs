@@ -89,11 +89,15 @@ impl Scheduler {
         s.queue.push(priority, q);
     }
 
+    /// The caller stopped waiting. A queued request leaves its queue; a load or an unload
+    /// asked for goes on, answered to nobody, as the 503 that timed it out says.
     pub(super) fn on_cancel(&mut self, req: RequestId) {
         self.in_flight.remove(&req);
         for s in &mut self.slots {
             s.queue.remove(req);
-            s.load_waiters.retain(|(r, _)| *r != req);
+            for (waiter, _) in s.load_waiters.iter_mut().filter(|(r, _)| *r == req) {
+                *waiter = NOBODY;
+            }
             s.unload_waiters.retain(|r| *r != req);
         }
     }

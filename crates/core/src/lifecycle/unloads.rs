@@ -143,6 +143,7 @@ impl Scheduler {
             .into_iter()
             .map(|q| q.req)
             .chain(std::mem::take(&mut s.load_waiters).into_iter().map(|(r, _)| r))
+            .filter(|r| *r != NOBODY)
             .collect();
         for req in waiting {
             self.actions.push(Action::Reply { req, result: Err(err.clone()) });

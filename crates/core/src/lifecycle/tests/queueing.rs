@@ -198,6 +198,22 @@ fn a_cold_model_is_not_starved_past_max_swap_delay() {
 }
 
 #[test]
+fn a_repository_load_whose_caller_timed_out_still_happens() {
+    // Budget for one; a runs, so b's load waits. Its caller gives up (acquire_timeout).
+    let mut h = Harness::new(150, &[("a", 100), ("b", 100)]);
+    let running = h.use_model("a").unwrap();
+    let req: RequestId = 9_000;
+    let b = h.id("b");
+    assert!(h.feed(Event::Load { req, model: b }).is_empty(), "b waits for a's run");
+    h.feed(Event::Cancel { req });
+    h.at(0.5);
+    h.finish(running);
+    assert_eq!(h.loads(), ["a", "b"], "the load went on");
+    assert_eq!(h.state("b"), StateName::Ready);
+    assert!(!h.log.iter().any(|a| matches!(a, Action::Reply { .. })), "answered to nobody: {:?}", h.log);
+}
+
+#[test]
 fn the_model_a_swap_evicted_for_loads_next_though_the_evicted_queue_is_older() {
     // Budget for one. a's queue is older than b's request; once a has drained for b, the
     // room is b's, not a's again (which would leave b waiting behind a's whole queue).
