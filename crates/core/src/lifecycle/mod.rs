@@ -110,9 +110,9 @@ pub enum UnloadReason {
     Evicted,
     /// Keep-alive ran out.
     Idle,
-    /// Asked for through the API.
+    /// Asked for through the API (a repository unload, `POST /admin/memory/gc`).
     Requested,
-    /// Emergency pressure or an explicit GC.
+    /// The memory pressure's emergency unload.
     Pressure,
     Shutdown,
     /// The backend panicked during inference: the instance cannot be trusted.

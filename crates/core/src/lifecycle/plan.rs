@@ -197,6 +197,9 @@ impl Scheduler {
     /// and room for a second instance without evicting anything. Returns true if one
     /// started.
     fn promote(&mut self, device: &Device, now: Instant) -> bool {
+        if self.shutting_down {
+            return false;
+        }
         let candidate = self.slots.iter().enumerate().find(|(_, s)| match &s.state {
             SlotState::Ready { device: d, loaded_at, .. } => {
                 d == device
@@ -230,6 +233,9 @@ impl Scheduler {
     /// been asked for within its keep-alive, and loads cheaply (a preload holds the
     /// device: a slow one would delay a real load).
     fn preload(&mut self, device: &Device) {
+        if self.shutting_down {
+            return;
+        }
         let now = self.now;
         let candidate = self
             .slots

@@ -205,7 +205,8 @@ impl Actor {
             }
             Command::Collect { req, except, reply } => {
                 self.collections.insert(req, reply);
-                Event::Collect { req, except, include_pinned: false, reason: UnloadReason::Pressure }
+                // `POST /admin/memory/gc`: asked for, not the memory pressure's emergency unload.
+                Event::Collect { req, except, include_pinned: false, reason: UnloadReason::Requested }
             }
             Command::Status { reply } => {
                 let _ = reply.send(self.scheduler.status(now()));

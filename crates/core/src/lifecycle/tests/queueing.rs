@@ -425,6 +425,22 @@ fn a_model_evicted_for_another_comes_back_when_it_fits_again_and_only_then() {
 }
 
 #[test]
+fn nothing_is_brought_back_once_shutdown_begins() {
+    // a was evicted for b; at shutdown b unloads and the room is free: a stays out.
+    let mut h = Harness::with(150, &[("a", 100), ("b", 100)], |_| {});
+    h.call("a").unwrap();
+    h.at(1.0);
+    h.call("b").unwrap(); // evicts a
+    h.at(2.0);
+    let actions = h.feed(Event::Shutdown);
+    h.settle(actions);
+    h.at(3.0);
+    let actions = h.tick();
+    h.settle(actions);
+    assert_eq!(h.loads(), ["a", "b"], "no load after shutdown began");
+}
+
+#[test]
 fn memory_given_back_on_request_is_not_refilled_by_a_preload() {
     // a is evicted for b; then b is unloaded on request: the room is free, but the user
     // asked for memory back, so a (evicted earlier, cheap to load) does not come back.
