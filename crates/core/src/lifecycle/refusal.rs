@@ -43,6 +43,19 @@ pub(super) fn never_fits(
     .retry_after(retry_after)
 }
 
+/// `max_loaded_models` is taken by pinned models, which are never evicted.
+pub(super) fn no_slot_ever(name: &str, cap: usize, pinned: &[&str], retry_after: Duration) -> SnoozeError {
+    SnoozeError::new(
+        ErrorKind::InsufficientMemory,
+        format!(
+            "model '{name}' can never load: max_loaded_models = {cap} is taken by pinned models ({}), \
+             which are never evicted; raise max_loaded_models or unpin one",
+            pinned.join(", ")
+        ),
+    )
+    .retry_after(retry_after)
+}
+
 pub(super) fn queue_full(name: &str, max_queue: usize, wait: Duration) -> SnoozeError {
     SnoozeError::new(
         ErrorKind::QueueFull,

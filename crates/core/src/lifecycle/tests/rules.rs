@@ -182,6 +182,19 @@ fn rule4_pinned_models_are_never_evicted() {
 }
 
 #[test]
+fn max_loaded_models_taken_by_pinned_models_refuses_the_others_at_once() {
+    let mut h = Harness::with(1000, &[("p", 100), ("a", 100)], |p| p.pinned = p.name == "p");
+    h.s.config.max_loaded_models = 1;
+    h.call("p").unwrap();
+    let (req, a) = h.submit("a");
+    let refused = replies(&a);
+    assert_eq!(refused, [(req, Err(ErrorKind::InsufficientMemory))], "at once, not after queue_timeout");
+    let Some(Err(e)) = h.outcome(req) else { panic!() };
+    assert!(e.message.contains("max_loaded_models = 1 is taken by pinned models (p)"), "{}", e.message);
+    assert!(e.retry_after.is_some());
+}
+
+#[test]
 fn rule4_max_loaded_models_evicts_lru() {
     let mut h = Harness::new(10_000, &[("a", 100), ("b", 100), ("c", 100)]);
     h.s.config.max_loaded_models = 2;
