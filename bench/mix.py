@@ -538,6 +538,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    if runs == ["both"]:
+        runs = ["baseline", "limited"]
     if not runs or any(r not in ("baseline", "limited") for r in runs):
         sys.exit("--runs takes baseline, limited or both")
     if "limited" in runs and "baseline" not in runs and not args.limit:

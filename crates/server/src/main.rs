@@ -119,6 +119,10 @@ enum Command {
         /// How the weights would be held (ONNX models).
         #[arg(long, value_parser = ["prepacked", "compact", "mapped"], default_value = "prepacked")]
         weights: String,
+        /// The server's state dir: a form whose one-time copy is there (`snooze prepare`)
+        /// is estimated as loaded from it; without it, as a load before the copy exists.
+        #[arg(long, env = "SNOOZE_STATE_DIR")]
+        state_dir: Option<PathBuf>,
     },
 }
 
@@ -225,7 +229,9 @@ fn load_config(
         (Ok(c), _) => Ok(c),
         (Err(e), Some(_)) => Err(e.into()),
         (Err(e), None) => Err(anyhow::anyhow!(
-            "{e} (the embedded default config serves the demo models: run `make prepare` first)"
+            "{e} (the embedded default config serves the demo models under models/ of the working \
+             directory, {}: run it from the repository root after `make prepare`, or give --config)",
+            cwd.display()
         )),
     }
 }
@@ -327,12 +333,26 @@ fn prepare_model(
     backend.prepare(&spec).map_err(|e| anyhow::anyhow!("{e}"))
 }
 
-fn estimate(path: PathBuf, backend: Option<String>, weights: &str) -> anyhow::Result<()> {
+fn estimate(
+    path: PathBuf,
+    backend: Option<String>,
+    weights: &str,
+    state_dir: Option<PathBuf>,
+) -> anyhow::Result<()> {
+    if !path.exists() {
+        anyhow::bail!("{} does not exist", path.display());
+    }
     // The server's rule when a config names no backend.
     let kind = backend.as_deref().unwrap_or_else(|| config::backend_for(&path).name());
     let backend: Box<dyn snooze_core::Backend> = match kind {
         "candle" => Box::new(snooze_backend_candle::CandleBackend::new()),
-        _ => Box::new(snooze_backend_ort::OrtBackend::new(None).map_err(anyhow::Error::msg)?),
+        _ => {
+            let ort = snooze_backend_ort::OrtBackend::new(None).map_err(anyhow::Error::msg)?;
+            Box::new(match state_dir {
+                Some(dir) => ort.with_cache_dir(dir.join("ort-cache")),
+                None => ort,
+            })
+        }
     };
     let weights = snooze_core::Weights::parse(weights).unwrap_or_default();
     let e = backend.estimate(&path, weights);
@@ -422,7 +442,9 @@ fn main() -> ExitCode {
             let overrides = matches.subcommand_matches("check").map(overrides).unwrap_or_default();
             check(config, model_dir, overrides)
         }
-        Command::Estimate { path, backend, weights } => estimate(path, backend, &weights),
+        Command::Estimate { path, backend, weights, state_dir } => {
+            estimate(path, backend, &weights, state_dir)
+        }
         Command::Dump { command: DumpCommand::Diff { before, after } } => dump_diff(before, after),
         Command::Ps { remote, json } => remote.client().and_then(|c| client::ps(&c, json)),
         Command::Load { name, remote } => remote.client().and_then(|c| client::load(&c, &name)),

@@ -156,6 +156,41 @@ fn estimate_prints_the_derivation() {
     // A sentence-transformers folder with an ONNX export: the backend the server would pick.
     let (_, text, _) = estimate("minilm-onnx");
     assert!(text.contains("backend:  onnx") && !text.contains("indeterminate"), "{text}");
+    let (ok, _, err) = estimate("no-such-model");
+    assert!(
+        !ok && String::from_utf8_lossy(&err).contains("does not exist"),
+        "a path that is not there fails"
+    );
+
+    // With the state dir `snooze prepare` filled, `mapped` is estimated as loaded from its copy.
+    let state = std::env::temp_dir().join(format!("snooze-cli-estimate-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&state);
+    let config = write(
+        "estimate.toml",
+        &format!("[models.m]\npath = \"{}/mlp-10m\"\nweights = \"mapped\"\n", models_dir().display()),
+    );
+    let prepared = snooze()
+        .args(["prepare", "--config"])
+        .arg(&config)
+        .arg("--state-dir")
+        .arg(&state)
+        .env("ORT_DYLIB_PATH", ort_dylib())
+        .output()
+        .expect("run");
+    assert!(prepared.status.success(), "{}", String::from_utf8_lossy(&prepared.stderr));
+    let mapped = |state_dir: Option<&std::path::Path>| {
+        let mut c = snooze();
+        c.args(["estimate", "--weights", "mapped"]).arg(models_dir().join("mlp-10m"));
+        if let Some(dir) = state_dir {
+            c.arg("--state-dir").arg(dir);
+        }
+        String::from_utf8_lossy(&c.env("ORT_DYLIB_PATH", ort_dylib()).output().expect("run").stdout)
+            .into_owned()
+    };
+    let text = mapped(Some(&state));
+    assert!(text.contains("weights = mapped") && !text.contains("not converted yet"), "{text}");
+    assert!(mapped(None).contains("not converted yet"), "without the state dir, before the copy");
+    let _ = std::fs::remove_dir_all(&state);
 }
 
 #[test]

@@ -98,7 +98,7 @@ async fn read_once(
 }
 
 /// The options beside the document, by name; JSON and form fields alike.
-const OPTIONS: &str = "file, pipeline, use_cls, min_score, pages, dpi";
+const OPTIONS: &str = "file, pipeline (or model), use_cls, min_score, pages, dpi";
 
 /// Sets the option `name` of a request from its text (a form field, or a JSON value
 /// written as text); an unknown name is refused rather than ignored: a misspelt `page`
