@@ -127,6 +127,7 @@ impl Scheduler {
                     size: r.size,
                     since: now,
                     retry: Retry::First,
+                    resumed: true,
                 };
                 self.slots[model].queue.push(priority, q);
             }

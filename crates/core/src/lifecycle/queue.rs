@@ -63,6 +63,8 @@ pub struct Queued {
     pub size: Option<WorkSize>,
     pub since: Instant,
     pub retry: Retry,
+    /// A task job between two of its slices: started, so a request in flight.
+    pub resumed: bool,
 }
 
 impl Queued {
@@ -186,7 +188,16 @@ impl RequestQueue {
 
     /// Everything, in the order it would have run.
     pub fn drain(&mut self) -> Vec<Queued> {
-        Priority::ALL.into_iter().rev().flat_map(|p| std::mem::take(&mut self.lanes[p as usize])).collect()
+        self.drain_with_priority().into_iter().map(|(_, q)| q).collect()
+    }
+
+    /// Everything, highest priority first, each with its lane.
+    pub fn drain_with_priority(&mut self) -> Vec<(Priority, Queued)> {
+        Priority::ALL
+            .into_iter()
+            .rev()
+            .flat_map(|p| std::mem::take(&mut self.lanes[p as usize]).into_iter().map(move |q| (p, q)))
+            .collect()
     }
 }
 
@@ -197,7 +208,7 @@ mod tests {
     use super::*;
 
     fn q(req: RequestId, rows: u32, key: Option<u64>, t: Instant) -> Queued {
-        Queued { req, rows, key, size: None, since: t, retry: Retry::First }
+        Queued { req, rows, key, size: None, since: t, retry: Retry::First, resumed: false }
     }
 
     #[test]

@@ -74,6 +74,7 @@ impl Scheduler {
                 size: sub.size,
                 since: now,
                 retry: Retry::First,
+                resumed: false,
             },
         );
     }

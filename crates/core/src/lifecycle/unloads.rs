@@ -122,9 +122,15 @@ impl Scheduler {
             if !self.slots[id].is_ready() {
                 self.fail_all(id, err.clone());
             } else {
-                let waiting: Vec<Queued> = self.slots[id].queue.drain();
-                for q in waiting {
-                    self.refuse(q.req, err.clone());
+                // What has not started is refused; a task job between two slices is a
+                // request in flight: it goes on within shutdown_timeout.
+                let waiting: Vec<(Priority, Queued)> = self.slots[id].queue.drain_with_priority();
+                for (priority, q) in waiting {
+                    if q.resumed {
+                        self.slots[id].queue.push(priority, q);
+                    } else {
+                        self.refuse(q.req, err.clone());
+                    }
                 }
             }
             if self.slots[id].idle().is_some() {

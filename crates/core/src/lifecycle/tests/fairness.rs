@@ -57,6 +57,23 @@ fn a_short_request_runs_between_two_slices_of_a_long_job() {
 }
 
 #[test]
+fn a_job_between_two_slices_at_shutdown_goes_on_and_what_never_started_is_refused() {
+    let mut h = harness();
+    h.call("short").unwrap();
+    let job = h.use_model("long").unwrap();
+    let (quick, _) = h.submit("short");
+    h.at(0.2);
+    let a = slice_ends(&mut h, job);
+    assert_eq!(dispatched(&h, &a), ["short"], "the job waits in line behind it");
+    let (late, _) = h.submit("long");
+    h.feed(Event::Shutdown);
+    assert_eq!(h.outcome(late).map(|r| r.is_err()), Some(true), "never started: refused");
+    let a = h.finish(quick);
+    assert_eq!(dispatched(&h, &a), ["long"], "the job's next slice runs");
+    assert_eq!(h.outcome(job), Some(Ok(())));
+}
+
+#[test]
 fn a_long_job_is_not_starved_by_a_stream_of_short_requests() {
     // Short requests keep coming, always one waiting: still, between two short batches the
     // job gets its slice, because it went back in line before the next short one came.
