@@ -319,6 +319,18 @@ fn hostile_documents_get_a_clear_4xx_and_change_nothing() {
     assert_eq!(status, 400, "{body}");
     assert!(body["error"]["message"].as_str().unwrap().contains("colour"), "{body}");
     assert_eq!(body["error"]["param"], "colour", "{body}");
+    // A repeated JSON member is refused as the repeated form field is (a JSON map would
+    // keep the last and read pages 2-9 of a request that also said 1).
+    let resp = client()
+        .post(server.url("/v1/ocr"))
+        .header("content-type", "application/json")
+        .body(r#"{"file": "", "pages": "1", "pages": "2-9"}"#)
+        .send()
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 400);
+    let body: Value = resp.json().unwrap();
+    assert!(body["error"]["message"].as_str().unwrap().contains("'pages' is given more than once"), "{body}");
+    assert_eq!(body["error"]["param"], "pages", "{body}");
     // Base64 as people paste it is read: wrapped at 76 columns as `base64` prints it, and
     // as a data: URL; options as strings or numbers alike.
     let encoded = base64::engine::general_purpose::STANDARD.encode(&small);

@@ -170,11 +170,43 @@ fn decode_base64(text: &str) -> Result<Vec<u8>, OpenAiError> {
         .map_err(|e| bad("file", format!("`file` is not base64: {e}")))
 }
 
+/// A JSON object's members in the order written, repeats kept: `serde_json::Map` keeps the
+/// last of a repeated member, so `{"pages": "1", "pages": "2-9"}` would read nine pages
+/// where the multipart form refuses the same repeat.
+struct Members(Vec<(String, Value)>);
+
+impl<'de> serde::Deserialize<'de> for Members {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Members;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Members, A::Error> {
+                let mut members = Vec::new();
+                while let Some(member) = map.next_entry()? {
+                    members.push(member);
+                }
+                Ok(Members(members))
+            }
+        }
+        d.deserialize_map(Visit)
+    }
+}
+
 fn from_json(body: &[u8]) -> Result<(Option<Bytes>, Option<String>, Request), OpenAiError> {
-    let fields: serde_json::Map<String, Value> = serde_json::from_slice(body)
+    let Members(fields) = serde_json::from_slice(body)
         .map_err(|e| bad("", format!("the body is not a JSON object of an OCR request: {e}")))?;
     let (mut file, mut pipeline, mut request) = (None, None, Request::default());
+    let mut seen = std::collections::HashSet::new();
     for (name, value) in &fields {
+        if !seen.insert(name.as_str()) {
+            return Err(bad(
+                name.clone(),
+                format!("the member '{name}' is given more than once: send it once"),
+            ));
+        }
         if name == "file" {
             let Value::String(text) = value else {
                 return Err(bad("file", "`file` must be the document as a base64 string"));
