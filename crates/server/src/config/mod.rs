@@ -365,6 +365,10 @@ mod tests {
                 "[models.s]\npath = \"repo/st\"\n[models.b]\npath = \"repo/b\"\n[pipelines.p]\ndet = \"b\"\nrec = \"s\"".into(),
                 "[pipelines.p] rec: 's' is an embedding model",
             ),
+            (
+                "[models.b]\npath = \"repo/b\"\n[pipelines.b]\ndet = \"b\"\nrec = \"b\"".into(),
+                "[pipelines.b]: a model has this name too",
+            ),
             ("[models.x]\npath = \"repo/b\"\nbackend = \"candle\"".into(), "\"candle\" serves sentence-transformers"),
             ("[server]\nhttp_address = [\"a\"]".into(), "expected a string, a number or true / false"),
             ("[models.x]\npath = \"repo/b\"\nmax_queue = 99999999999".into(), "from 1 to 4294967295"),

@@ -81,6 +81,12 @@ fn pipeline(
             "a pipeline name may hold only letters, digits, '-', '_' and '.'",
         ));
     }
+    if models.iter().any(|m| m.name == name) {
+        return Err(err(
+            &format!("[pipelines.{name}]"),
+            "a model has this name too: metrics and `x-snooze-model` would not tell them apart; rename one",
+        ));
+    }
     let model = |k: &str, v: &Option<String>| -> Result<Option<String>, ConfigError> {
         match v {
             None => Ok(None),
