@@ -265,9 +265,8 @@ fn doubled(out: &[Tensor], n: usize, first: f32) {
     assert_eq!(out[0].data, TensorData::Fp32((0..2 * n).map(|i| 2.0 * (first + i as f32)).collect()));
 }
 
-#[tokio::test]
-async fn concurrent_first_requests_share_one_load_and_one_batch() {
-    let s = setup(&["a"], KeepAlive::Forever);
+/// Requests of 1, 2 and 3 rows sent together to `a`, each answered with its own rows doubled.
+async fn one_two_and_three_rows_at_once(s: &Setup) {
     let (a, b, c) = tokio::join!(
         s.m.infer("a", None, rows(1, 0.0), vec![]),
         s.m.infer("a", None, rows(2, 10.0), vec![]),
@@ -276,6 +275,12 @@ async fn concurrent_first_requests_share_one_load_and_one_batch() {
     doubled(&a.unwrap(), 1, 0.0);
     doubled(&b.unwrap(), 2, 10.0);
     doubled(&c.unwrap(), 3, 20.0);
+}
+
+#[tokio::test]
+async fn concurrent_first_requests_share_one_load_and_one_batch() {
+    let s = setup(&["a"], KeepAlive::Forever);
+    one_two_and_three_rows_at_once(&s).await;
     assert_eq!(s.backend.loads.load(Ordering::SeqCst), 1);
     assert_eq!(*s.backend.runs.lock().unwrap(), [6], "one run of 1 + 2 + 3 rows");
 }
@@ -284,14 +289,7 @@ async fn concurrent_first_requests_share_one_load_and_one_batch() {
 async fn a_batch_dependent_model_runs_each_request_alone_with_all_its_rows() {
     let s = setup_full(&["a"], KeepAlive::Forever, |_| {}, |c| c.models[0].batch_dependent = true);
     assert!(!s.m.info("a").unwrap().batchable);
-    let (a, b, c) = tokio::join!(
-        s.m.infer("a", None, rows(1, 0.0), vec![]),
-        s.m.infer("a", None, rows(2, 10.0), vec![]),
-        s.m.infer("a", None, rows(3, 20.0), vec![]),
-    );
-    doubled(&a.unwrap(), 1, 0.0);
-    doubled(&b.unwrap(), 2, 10.0);
-    doubled(&c.unwrap(), 3, 20.0);
+    one_two_and_three_rows_at_once(&s).await;
     let mut runs = s.backend.runs.lock().unwrap().clone();
     runs.sort_unstable();
     assert_eq!(runs, [1, 2, 3], "each request in a run of its own, none split");
