@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import tempfile
+import time
 import unittest
 
 import numpy as np
@@ -226,6 +227,15 @@ class KeysWithoutAdminTokenTest(unittest.TestCase):
             r = requests.get(base + path)
             self.assertEqual(r.status_code, 200, f"{path} without a key: {r.text}")
         self.assertIn("snooze_", requests.get(base + "/metrics").text)
+
+    def test_sighup_without_a_key_file_leaves_the_server_serving(self):
+        # SIGHUP's default action ends a process: with keys inline only, the server must
+        # still catch it (there is nothing to re-read) rather than die.
+        self.server.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        self.assertIsNone(self.server.proc.poll(), "the server died of SIGHUP")
+        r = requests.post(self.server.base + "/v2/models/mlp/infer", json=ZEROS, headers=bearer(INLINE_KEY))
+        self.assertEqual(r.status_code, 200, r.text)
 
 
 if __name__ == "__main__":

@@ -315,6 +315,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
         gpus: gpu_list,
     };
     request::metrics::register_models(config.models.iter().map(|m| m.name.as_str()));
+    request::metrics::register_pipelines(config.pipelines.iter().map(|p| p.name.as_str()));
     let state = AppState::new(manager, s.clone(), memory, &config.pipelines);
     if state.keys.enabled() {
         match state.keys.reload() {
@@ -344,9 +345,8 @@ pub async fn serve(
         tracing::warn!("{warning}");
     }
     raise_open_file_limit(s.max_connections);
-    if state.settings.api_keys_file.is_some() {
-        tokio::spawn(reload_keys_on_sighup(state.clone()));
-    }
+    // Caught whether or not there is a key file: SIGHUP's default action ends the process.
+    tokio::spawn(reload_keys_on_sighup(state.clone()));
     let limits = listener::ConnectionLimits {
         header_read_timeout: s.header_read_timeout,
         idle_timeout: s.idle_timeout,
@@ -408,6 +408,10 @@ async fn reload_keys_on_sighup(state: AppState) {
     use tokio::signal::unix::{signal, SignalKind};
     let Ok(mut hup) = signal(SignalKind::hangup()) else { return };
     while hup.recv().await.is_some() {
+        if state.settings.api_keys_file.is_none() {
+            tracing::info!("SIGHUP: nothing to re-read (no api_keys_file); still serving");
+            continue;
+        }
         match state.keys.reload() {
             Ok(n) => tracing::info!(keys = n, "API keys reloaded (SIGHUP)"),
             Err(e) => tracing::error!("API keys not reloaded, the old ones stay in force: {e}"),
