@@ -227,6 +227,12 @@ fn kserve_bytes_audio_gives_the_openai_text() {
         std::fs::read(lame(&clips[2].path, &scratch.path("0930.mp3"))).unwrap(),
     ];
     let openai: Vec<String> = files.iter().map(|f| transcribe(&s.base, TINY, f, &[]).text()).collect();
+    // Each transcription is one request's queue wait, however many slices it ran in.
+    let metrics = client().get(s.url("/metrics")).send().unwrap().text().unwrap();
+    let waits = format!("snooze_queue_wait_seconds_count{{model=\"{TINY}\"}} ");
+    let count =
+        metrics.lines().find_map(|l| l.strip_prefix(waits.as_str())).unwrap_or_else(|| panic!("{metrics}"));
+    assert_eq!(count.trim(), "3", "queue waits observed for three transcriptions");
     for binary_output in [false, true] {
         let what = if binary_output { "binary output" } else { "JSON output" };
         let (status, all) = kserve(&s.base, TINY, &files, binary_output);

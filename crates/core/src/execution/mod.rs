@@ -140,8 +140,10 @@ fn batch_rows(inputs: &[Tensor]) -> Option<usize> {
 pub(crate) struct Job {
     pub payload: Payload,
     pub reply: oneshot::Sender<Result<Output, SnoozeError>>,
-    /// When it was submitted (its queue wait is measured from here).
-    pub submitted: std::time::Instant,
+    /// When it was submitted, until its first run starts: a request's queue wait is
+    /// observed once, from here to that run (a task job's later slices and a retry go
+    /// back in the queue as parts of a request already served).
+    pub submitted: Option<std::time::Instant>,
     pub model: crate::lifecycle::ModelId,
 }
 

@@ -44,7 +44,7 @@ fn x(rows: usize, first: f32) -> Payload {
 
 fn job(p: Payload) -> (Job, oneshot::Receiver<Result<Output, SnoozeError>>) {
     let (reply, rx) = oneshot::channel();
-    (Job { payload: p, reply, submitted: std::time::Instant::now(), model: 0 }, rx)
+    (Job { payload: p, reply, submitted: Some(std::time::Instant::now()), model: 0 }, rx)
 }
 
 fn y(rx: &mut oneshot::Receiver<Result<Output, SnoozeError>>) -> Vec<f32> {

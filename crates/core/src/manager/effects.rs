@@ -27,12 +27,14 @@ fn spawn_run(low_priority: bool, run: impl FnOnce() + Send + 'static) {
 
 impl Actor {
     pub(super) fn start_run(&mut self, model: ModelId, reqs: Vec<RequestId>, max_rows: u32) {
-        let jobs: Vec<(RequestId, Job)> =
+        let mut jobs: Vec<(RequestId, Job)> =
             reqs.iter().filter_map(|r| self.jobs.remove(r).map(|j| (*r, j))).collect();
         let name = self.scheduler.slot(model).policy.name.clone();
-        for (_, job) in &jobs {
-            metrics::histogram!(metric::QUEUE_WAIT, "model" => name.clone())
-                .record(job.submitted.elapsed().as_secs_f64());
+        for (_, job) in &mut jobs {
+            if let Some(submitted) = job.submitted.take() {
+                metrics::histogram!(metric::QUEUE_WAIT, "model" => name.clone())
+                    .record(submitted.elapsed().as_secs_f64());
+            }
         }
         let tx = self.tx.clone();
         let Some(instance) = self.loaded.get(&model).map(|l| l.instance.clone()) else {

@@ -410,7 +410,7 @@ impl ModelManager {
         let (reply, rx) = oneshot::channel();
         self.send(Command::Submit {
             sub: Submit { req, model, priority, rows, key, size },
-            job: Job { payload, reply, submitted: Instant::now(), model },
+            job: Job { payload, reply, submitted: Some(Instant::now()), model },
         });
         let mut guard = CancelOnDrop { manager: self, req, armed: true };
         let answer = rx.await;
