@@ -209,6 +209,16 @@ fn lying_png(width: u32, height: u32) -> Vec<u8> {
 #[test]
 fn hostile_documents_get_a_clear_4xx_and_change_nothing() {
     let server = Server::start("ocr-hostile", &config(""), &["--max-request-size", "4MiB"]);
+    // The pipeline's series exist from the first scrape, as the models' do (an alert on
+    // its errors sees 0, not "no data"), and every series says what it is.
+    let metrics = client().get(server.url("/metrics")).send().unwrap().text().unwrap();
+    for series in [
+        "snooze_requests_total{model=\"ocr\",protocol=\"openai\",outcome=\"ok\"} 0",
+        "snooze_requests_total{model=\"ocr\",protocol=\"openai\",outcome=\"invalid_input\"} 0",
+        "# HELP snooze_requests_total ",
+    ] {
+        assert!(metrics.lines().any(|l| l.starts_with(series)), "no '{series}' in:\n{metrics}");
+    }
     let small = std::fs::read(fixtures().join("ocr_pages/small.png")).unwrap();
     let (status, first) = ocr(&server, small.clone(), "small.png", &[]);
     assert_eq!(status, 200, "{first}");

@@ -48,7 +48,10 @@ pub fn handle() -> Option<&'static PrometheusHandle> {
             let builder =
                 PrometheusBuilder::new().set_buckets_for_metric(Matcher::Suffix("_seconds".into()), BUCKETS);
             match builder.and_then(|b| b.install_recorder()) {
-                Ok(h) => Some(h),
+                Ok(h) => {
+                    describe();
+                    Some(h)
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot install the metrics recorder: /metrics will be empty");
                     None
@@ -56,6 +59,53 @@ pub fn handle() -> Option<&'static PrometheusHandle> {
             }
         })
         .as_ref()
+}
+
+/// `# HELP` lines: what each series is, for dashboards that show it.
+fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(
+        metric::REQUESTS,
+        "Requests answered, by model (or OCR pipeline), protocol and outcome (ok or the error code)"
+    );
+    describe_histogram!(
+        metric::REQUEST_DURATION,
+        Unit::Seconds,
+        "Time from a request's arrival to its answer"
+    );
+    describe_histogram!(
+        metric::QUEUE_WAIT,
+        Unit::Seconds,
+        "Time a request waited in its model's queue before its first run"
+    );
+    describe_histogram!(metric::LOAD_DURATION, Unit::Seconds, "Time a model's load took");
+    describe_counter!(metric::LOADS, "Model loads, by outcome");
+    describe_counter!(metric::UNLOADS, "Model unloads, by reason");
+    describe_counter!(metric::OOM_RECOVERIES, "Steps taken to recover from an out-of-memory run");
+    describe_counter!(metric::REFUSALS, "Requests a model's scheduler refused, by error code");
+    describe_gauge!(
+        metric::MEMORY,
+        Unit::Bytes,
+        "Memory per device: total, available, budget, accounted, process"
+    );
+    describe_gauge!(metric::FOOTPRINT, Unit::Bytes, "A model's footprint: estimated, measured, peak");
+    describe_gauge!(metric::STATE, "1 for the model's current state, 0 for the others");
+    describe_gauge!(metric::LEASES, "Requests running on the model");
+    describe_gauge!(metric::QUEUE_DEPTH, "Requests waiting in the model's queue, by priority");
+    describe_gauge!(metric::PRESSURE, "Memory pressure: 0 normal, 1 warning, 2 critical, 3 emergency");
+}
+
+/// Creates the request counters of every OCR pipeline at 0 (its requests are counted
+/// under its name; its stages' runs under theirs).
+pub fn register_pipelines<'a>(pipelines: impl Iterator<Item = &'a str>) {
+    for p in pipelines {
+        let outcomes = std::iter::once("ok").chain(ErrorKind::ALL.iter().map(|k| k.code()));
+        for outcome in outcomes {
+            counter!(metric::REQUESTS, "model" => p.to_string(), "protocol" => "openai", "outcome" => outcome)
+                .increment(0);
+        }
+        let _ = metrics::histogram!(metric::REQUEST_DURATION, "model" => p.to_string());
+    }
 }
 
 /// Creates every counter of every configured model at 0.
