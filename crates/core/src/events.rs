@@ -48,6 +48,9 @@ pub enum EventKind {
 
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct LifecycleEvent {
+    /// Its place in the log: 1, 2, 3, ... since the server started. Several events may
+    /// share a millisecond, so a poller asks for those `after` the last one it saw.
+    pub seq: u64,
     /// Milliseconds since the Unix epoch.
     pub at_ms: u64,
     pub model: String,
@@ -69,10 +72,13 @@ pub fn unix_ms() -> u64 {
 impl EventLog {
     pub fn record(&self, model: &str, kind: EventKind, reason: impl Into<String>, bytes: Option<u64>) {
         let mut e = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        // Once one is kept there always is one: the last holds the count.
+        let seq = e.back().map_or(1, |last| last.seq + 1);
         if e.len() == KEEP {
             e.pop_front();
         }
         e.push_back(LifecycleEvent {
+            seq,
             at_ms: unix_ms(),
             model: model.to_string(),
             kind,
@@ -81,10 +87,10 @@ impl EventLog {
         });
     }
 
-    /// Events after `since_ms`, oldest first.
-    pub fn since(&self, since_ms: u64) -> Vec<LifecycleEvent> {
+    /// Events stamped after `since_ms` and numbered after `after_seq`, oldest first.
+    pub fn since(&self, since_ms: u64, after_seq: u64) -> Vec<LifecycleEvent> {
         let e = self.events.lock().unwrap_or_else(|p| p.into_inner());
-        e.iter().filter(|x| x.at_ms > since_ms).cloned().collect()
+        e.iter().filter(|x| x.at_ms > since_ms && x.seq > after_seq).cloned().collect()
     }
 }
 
@@ -98,9 +104,27 @@ mod tests {
         for i in 0..KEEP + 5 {
             log.record(&format!("m{i}"), EventKind::Loaded, "", None);
         }
-        let all = log.since(0);
+        let all = log.since(0, 0);
         assert_eq!(all.len(), KEEP);
         assert_eq!(all[0].model, "m5");
-        assert!(log.since(u64::MAX).is_empty());
+        assert!(log.since(u64::MAX, 0).is_empty());
+    }
+
+    #[test]
+    fn a_poller_by_number_misses_none_of_the_events_sharing_a_millisecond() {
+        let log = EventLog::default();
+        let (mut seen, mut after) = (Vec::new(), 0);
+        for i in 0..50 {
+            log.record(&format!("m{i}"), EventKind::Refused, "queue_full", None);
+            if i % 7 == 0 {
+                let fresh = log.since(0, after);
+                after = fresh.last().map_or(after, |e| e.seq);
+                seen.extend(fresh.into_iter().map(|e| e.model));
+            }
+        }
+        seen.extend(log.since(0, after).into_iter().map(|e| e.model));
+        assert_eq!(seen, (0..50).map(|i| format!("m{i}")).collect::<Vec<_>>());
+        let all = log.since(0, 0);
+        assert!(all.windows(2).all(|w| w[1].seq == w[0].seq + 1) && all[0].seq == 1);
     }
 }

@@ -143,6 +143,15 @@ fn lru_evictions_refusals_and_memory_given_back() {
     let loads = counts(&s, "loads");
     let want: Vec<(String, u64)> = (1..=6).map(|i| (format!("m{i}"), 1)).collect();
     assert_eq!(loads, want, "each model loaded exactly once");
+    // The events, numbered: `after` a seq gives exactly the ones after it.
+    let (_, all) = s.get("/admin/events");
+    let all = all["events"].as_array().expect("events").clone();
+    let seqs: Vec<u64> = all.iter().map(|e| e["seq"].as_u64().expect("seq")).collect();
+    assert!(seqs.len() >= 10 && seqs.windows(2).all(|w| w[1] == w[0] + 1), "{seqs:?}");
+    let (_, rest) = s.get(&format!("/admin/events?after={}", seqs[3]));
+    let rest = rest["events"].as_array().expect("events");
+    assert!(rest.len() >= all.len() - 4, "after={}: {rest:?}", seqs[3]);
+    assert_eq!(rest[..all.len() - 4], all[4..], "after={}", seqs[3]);
     let mut evictions = counts(&s, "evictions");
     evictions.sort();
     assert_eq!(evictions, [("m1".into(), 1), ("m2".into(), 1), ("m3".into(), 1), ("m4".into(), 1)]);

@@ -338,8 +338,8 @@ impl ModelManager {
     }
 
     /// Loads, evictions, unloads and refusals after `since_ms` (Unix milliseconds).
-    pub fn events(&self, since_ms: u64) -> Vec<LifecycleEvent> {
-        self.events.since(since_ms)
+    pub fn events(&self, since_ms: u64, after_seq: u64) -> Vec<LifecycleEvent> {
+        self.events.since(since_ms, after_seq)
     }
 
     /// How much memory unloads gave back, against what their loads took.

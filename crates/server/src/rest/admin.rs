@@ -17,6 +17,10 @@ struct Since {
     /// Unix milliseconds; events after it.
     #[serde(default)]
     since: u64,
+    /// An event's `seq`; events after it (what a poller should send: events may share a
+    /// millisecond).
+    #[serde(default)]
+    after: u64,
 }
 
 /// Loads, promotions, unloads (with their reason) and refusals, oldest first.
@@ -24,7 +28,7 @@ async fn events(
     State(state): State<AppState>,
     axum::extract::Query(q): axum::extract::Query<Since>,
 ) -> Response {
-    ok_json(json!({ "events": state.manager.events(q.since) }))
+    ok_json(json!({ "events": state.manager.events(q.since, q.after) }))
 }
 
 async fn models(State(state): State<AppState>) -> Response {
