@@ -255,3 +255,27 @@ fn a_call_longer_than_the_queue_and_load_timeouts_is_answered() {
     assert_eq!(answer.outputs[0].shape[0], rows as i64);
     eprintln!("{rows} rows over gRPC in {took:?}");
 }
+
+/// With API keys set, a call without one is refused from its metadata, before its
+/// message is read: a message over max_request_size (which the limit layer would refuse
+/// from its frame header, i.e. after the call got that far) is UNAUTHENTICATED without a
+/// key and RESOURCE_EXHAUSTED with one; readiness needs no key.
+#[test]
+fn a_call_without_its_key_is_refused_before_its_message_is_read() {
+    let rt = runtime();
+    let s = Server::start("grpc-keys", &config(), &["--api-keys", "k1", "--max-request-size", "1MiB"]);
+    let mut c = rt.block_on(connect(&s));
+    let big = raw("mlp", vec![input("x", "FP32", &[1024, 512])], vec![vec![0u8; 2 << 20]]);
+    let call = |key: Option<&str>| {
+        let mut req = tonic::Request::new(big.clone());
+        if let Some(k) = key {
+            req.metadata_mut().insert("authorization", format!("Bearer {k}").parse().expect("metadata"));
+        }
+        let mut c = c.clone();
+        rt.block_on(c.model_infer(req)).expect_err("refused").code()
+    };
+    assert_eq!(call(None), Code::Unauthenticated);
+    assert_eq!(call(Some("wrong")), Code::Unauthenticated);
+    assert_eq!(call(Some("k1")), Code::ResourceExhausted);
+    assert!(rt.block_on(c.server_ready(ServerReadyRequest {})).expect("ready").into_inner().ready);
+}

@@ -9,6 +9,10 @@
 //! once it has arrived, the call takes as long as its work does.
 //!
 //! Only the first message of a call is looked at: every RPC of the service is unary.
+//!
+//! A [`Gate`] (the API key and admin token rules) is asked first, from the call's path
+//! and metadata alone: a call without the right key is refused before a byte of its
+//! message is read, as REST refuses one before reading its body.
 
 use std::{
     future::Future,
@@ -28,31 +32,43 @@ use tonic::body::Body;
 #[derive(Debug, Clone, Copy)]
 pub struct MessageSize(pub u64);
 
-#[derive(Debug, Clone, Copy)]
+/// Whether a call may go on, from its path (`/package.Service/Method`) and its
+/// `authorization` metadata.
+pub type Gate = std::sync::Arc<dyn Fn(&str, Option<&str>) -> Result<(), SnoozeError> + Send + Sync>;
+
+#[derive(Clone)]
 pub struct MessageLimitLayer {
     limit: u64,
     read_timeout: Duration,
+    gate: Option<Gate>,
 }
 
 impl MessageLimitLayer {
     /// Messages of at most `limit` bytes, received within `read_timeout`.
     pub fn new(limit: u64, read_timeout: Duration) -> MessageLimitLayer {
-        MessageLimitLayer { limit, read_timeout }
+        MessageLimitLayer { limit, read_timeout, gate: None }
+    }
+
+    /// Calls `gate` refuses are answered before their message is read.
+    pub fn with_gate(mut self, gate: Gate) -> MessageLimitLayer {
+        self.gate = Some(gate);
+        self
     }
 }
 
 impl<S> tower::Layer<S> for MessageLimitLayer {
     type Service = MessageLimit<S>;
     fn layer(&self, inner: S) -> MessageLimit<S> {
-        MessageLimit { inner, limit: self.limit, read_timeout: self.read_timeout }
+        MessageLimit { inner, limit: self.limit, read_timeout: self.read_timeout, gate: self.gate.clone() }
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct MessageLimit<S> {
     inner: S,
     limit: u64,
     read_timeout: Duration,
+    gate: Option<Gate>,
 }
 
 /// The refusal of a message that did not arrive in time.
@@ -88,7 +104,14 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let (limit, read_timeout) = (self.limit, self.read_timeout);
+        let refused = self.gate.as_ref().and_then(|gate| {
+            let authorization = req.headers().get("authorization").and_then(|v| v.to_str().ok());
+            gate(req.uri().path(), authorization).err()
+        });
         Box::pin(async move {
+            if let Some(e) = refused {
+                return Ok(super::status(&e).into_http());
+            }
             let deadline = Box::pin(tokio::time::sleep(read_timeout));
             let (mut parts, mut body) = req.into_parts();
             let mut head = BytesMut::new();

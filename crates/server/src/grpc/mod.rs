@@ -99,11 +99,26 @@ pub async fn serve(
         // No timeout of the whole call: a transcription or a document may take longer
         // than any bound that fits a small request, and REST has none either; the message
         // must arrive within body_read_timeout, and a client may set its own deadline.
-        .layer(limit::MessageLimitLayer::new(limit, s.body_read_timeout))
+        .layer(limit::MessageLimitLayer::new(limit, s.body_read_timeout).with_gate(gate(state.clone())))
         .add_service(service(state.clone()))
         .serve_with_incoming_shutdown(incoming, stop)
         .await?;
     Ok(())
+}
+
+/// The key and token rules of every RPC, asked before its message is read (the
+/// handlers ask again): health and readiness are open, the repository's load and unload
+/// need the admin token, the rest an API key when any is set.
+fn gate(state: AppState) -> limit::Gate {
+    std::sync::Arc::new(move |path: &str, authorization: Option<&str>| {
+        match path.rsplit('/').next().unwrap_or_default() {
+            "ServerLive" | "ServerReady" | "ModelReady" => Ok(()),
+            "RepositoryModelLoad" | "RepositoryModelUnload" => {
+                auth::check_admin(state.settings.admin_token.as_deref(), authorization)
+            }
+            _ => state.keys.check(authorization),
+        }
+    })
 }
 
 /// The `authorization` metadata, as text.
