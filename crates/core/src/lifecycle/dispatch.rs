@@ -75,7 +75,7 @@ impl Scheduler {
             }
             let max_rows = if head.retry == Retry::Halved { (head.rows / 2).max(1) } else { max };
             let s = &mut self.slots[model];
-            let batch = s.queue.take_batch(max);
+            let batch = s.queue.take_batch(max, s.unload_requested);
             if batch.iter().map(|(_, q)| q.rows).sum::<u32>() > 1 {
                 s.batched_runs = s.batched_runs.saturating_add(1);
             }
@@ -131,6 +131,9 @@ impl Scheduler {
                 };
                 self.slots[model].queue.push(priority, q);
             }
+        }
+        if self.slots[model].unload_requested {
+            self.slots[model].queue.resumed_first();
         }
         let records: Vec<(ModelId, Priority, Queued)> =
             reqs.iter().filter_map(|r| self.in_flight.remove(r)).collect();

@@ -101,6 +101,33 @@ impl RequestQueue {
         self.lanes[p as usize].push_front(q);
     }
 
+    /// Every task job between two slices to the front of the highest lane, in the order
+    /// they waited: an asked-for unload lets the requests it holds finish first, and the
+    /// rest of the queue waits for its reload.
+    pub fn resumed_first(&mut self) {
+        let mut resumed = Vec::new();
+        for lane in &mut self.lanes {
+            let (jobs, rest): (VecDeque<Queued>, VecDeque<Queued>) = lane.drain(..).partition(|q| q.resumed);
+            *lane = rest;
+            resumed.extend(jobs);
+        }
+        resumed.sort_by_key(|q| q.since);
+        let top = &mut self.lanes[Priority::High as usize];
+        for q in resumed.into_iter().rev() {
+            top.push_front(q);
+        }
+    }
+
+    /// A task job between two slices waits here.
+    pub fn has_resumed(&self) -> bool {
+        self.lanes.iter().flatten().any(|q| q.resumed)
+    }
+
+    /// A task job between two slices runs next.
+    pub fn resumed_next(&self) -> bool {
+        self.head().is_some_and(|q| q.resumed)
+    }
+
     /// The highest priority waiting.
     pub fn top(&self) -> Option<Priority> {
         Priority::ALL.into_iter().rev().find(|p| !self.lanes[*p as usize].is_empty())
@@ -128,7 +155,9 @@ impl RequestQueue {
     /// The next batch: the head, and — when it may be batched — every later request with
     /// the same key, highest priority first, while the rows fit `max_rows`. A head
     /// larger than `max_rows` runs alone (in micro-batches).
-    pub fn take_batch(&mut self, max_rows: u32) -> Vec<(Priority, Queued)> {
+    /// `resumed_only`: company for the head only among task jobs between two slices (a
+    /// model closing for an asked-for unload finishes those and starts nothing new).
+    pub fn take_batch(&mut self, max_rows: u32, resumed_only: bool) -> Vec<(Priority, Queued)> {
         let Some(top) = self.top() else { return Vec::new() };
         let Some(head) = self.lanes[top as usize].pop_front() else { return Vec::new() };
         let mut rows = head.rows;
@@ -143,7 +172,11 @@ impl RequestQueue {
             let mut i = 0;
             while i < lane.len() {
                 let q = &lane[i];
-                if q.batchable() && q.key == key && rows.saturating_add(q.rows) <= max_rows {
+                if q.batchable()
+                    && q.key == key
+                    && (q.resumed || !resumed_only)
+                    && rows.saturating_add(q.rows) <= max_rows
+                {
                     rows += q.rows;
                     batch.extend(lane.remove(i).map(|q| (p, q)));
                 } else {
@@ -222,12 +255,12 @@ mod tests {
         queue.push(Priority::Normal, q(5, 4, Some(7), t));
         let ids = |b: Vec<(Priority, Queued)>| b.iter().map(|(_, q)| q.req).collect::<Vec<_>>();
         assert_eq!(
-            ids(queue.take_batch(8)),
+            ids(queue.take_batch(8, false)),
             [4, 1, 5],
             "high first, then normal: 1+3+4 = 8 rows; 3 does not fit"
         );
-        assert_eq!(ids(queue.take_batch(8)), [2]);
-        assert_eq!(ids(queue.take_batch(8)), [3]);
+        assert_eq!(ids(queue.take_batch(8, false)), [2]);
+        assert_eq!(ids(queue.take_batch(8, false)), [3]);
         assert!(queue.is_empty());
     }
 
@@ -239,14 +272,14 @@ mod tests {
         queue.push(Priority::Normal, q(2, 1, Some(7), t));
         queue.push(Priority::Normal, q(3, 1, None, t));
         queue.push(Priority::Normal, q(4, 1, None, t));
-        assert_eq!(queue.take_batch(8).len(), 1, "100 rows > 8: alone, in micro-batches");
-        assert_eq!(queue.take_batch(8).len(), 1);
-        assert_eq!(queue.take_batch(8)[0].1.req, 3, "no key: alone");
+        assert_eq!(queue.take_batch(8, false).len(), 1, "100 rows > 8: alone, in micro-batches");
+        assert_eq!(queue.take_batch(8, false).len(), 1);
+        assert_eq!(queue.take_batch(8, false)[0].1.req, 3, "no key: alone");
         let mut retried = q(9, 1, Some(7), t);
         retried.retry = Retry::AfterGc;
         queue.push_front(Priority::Normal, retried);
         queue.push(Priority::Normal, q(10, 1, Some(7), t));
-        let b = queue.take_batch(8);
+        let b = queue.take_batch(8, false);
         assert_eq!((b.len(), b[0].1.req), (1, 9), "a retry runs alone");
     }
 

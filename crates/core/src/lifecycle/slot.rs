@@ -333,9 +333,10 @@ impl ModelSlot {
         matches!(self.state, SlotState::Ready { .. })
     }
 
-    /// Ready, but nothing more may be dispatched to it.
+    /// Ready, but nothing more may be dispatched to it — except, before an asked-for
+    /// unload, the slices of task jobs already started.
     pub(super) fn closed(&self) -> bool {
-        self.unload_requested || self.poisoned.is_some() || self.draining
+        (self.unload_requested && !self.queue.resumed_next()) || self.poisoned.is_some() || self.draining
     }
 
     /// `Some(last_used)` when ready with nothing running and nothing waiting.

@@ -13,15 +13,17 @@ impl Scheduler {
             SlotState::Unloaded | SlotState::Failed { .. } => {
                 self.push(Action::Reply { req, result: Ok(()) })
             }
-            SlotState::Ready { .. } if s.running == 0 => {
+            SlotState::Ready { .. } if s.running == 0 && !s.queue.has_resumed() => {
                 s.unload_waiters.push(req);
                 self.begin_unload(model, UnloadReason::Requested);
             }
             SlotState::Unloading { .. } => s.unload_waiters.push(req),
-            // Runs in flight (or a load) end first; meanwhile nothing more is dispatched.
+            // Runs in flight, task jobs between two slices (a transcription, a document)
+            // or a load end first; meanwhile nothing new is dispatched.
             _ => {
                 s.unload_requested = true;
                 s.unload_waiters.push(req);
+                s.queue.resumed_first();
             }
         }
     }
@@ -202,7 +204,7 @@ impl Scheduler {
         if s.poisoned.is_some() {
             return self.begin_unload(model, UnloadReason::Failed);
         }
-        if s.unload_requested {
+        if s.unload_requested && !s.queue.resumed_next() {
             return self.begin_unload(model, UnloadReason::Requested);
         }
         if !s.queue.is_empty() {

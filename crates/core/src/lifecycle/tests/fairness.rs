@@ -250,3 +250,29 @@ fn beside_a_slow_load_first_loads_and_slow_ones_wait() {
     let a = h.feed(Event::LoadFinished { model: slow, result: Ok(LoadMeasurement::default()), took });
     assert_eq!(started_loads(&h, &a), ["new"], "the one waiting longest, once the slow load ended");
 }
+
+#[test]
+fn an_asked_for_unload_waits_for_a_job_between_two_slices_and_starts_nothing_new() {
+    let mut h = harness();
+    h.call("short").unwrap();
+    let job = h.use_model("long").unwrap();
+    let (quick, _) = h.submit("short");
+    h.at(0.2);
+    slice_ends(&mut h, job);
+    // The job waits between two slices (behind `quick`) when the unload is asked for.
+    let a = h.feed(Event::Unload { req: 900, model: h.id("long") });
+    assert!(!a.iter().any(|a| matches!(a, Action::StartUnload { .. })), "the job holds the model: {a:?}");
+    let (late, _) = h.submit("long");
+    let a = h.finish(quick);
+    assert_eq!(dispatched(&h, &a), ["long"], "the job's next slice runs");
+    let (_, reqs, _) = h.batch_of(job).expect("dispatched");
+    assert_eq!(reqs, [job], "alone: the request that came after the unload was asked for waits");
+    assert_eq!(h.outcome(900), None, "not unloaded yet");
+    h.at(0.4);
+    let a = slice_ends(&mut h, job);
+    assert!(!a.iter().any(|a| matches!(a, Action::StartUnload { .. })), "a second slice to go: {a:?}");
+    let a = h.finish(job);
+    assert!(a.iter().any(|a| matches!(a, Action::StartUnload { .. })), "the job done, the unload: {a:?}");
+    assert_eq!(h.outcome(900), Some(Ok(())));
+    assert_eq!(h.outcome(late), Some(Ok(())), "then the late request reloads it and runs");
+}
