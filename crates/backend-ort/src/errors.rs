@@ -42,12 +42,14 @@ pub(crate) fn load_error(name: &str, path: &std::path::Path, message: &str) -> L
 /// A failed run. ONNX Runtime flags shape and type mismatches it catches as
 /// `INVALID_ARGUMENT`: those are the request's fault, not the model's.
 pub(crate) fn infer_error(name: &str, code: ErrorCode, message: &str) -> InferError {
+    // The core names the model in front of an out-of-memory or a failure ("model 'm'
+    // failed: ..."); only the invalid input's message is shown as it is.
     if is_out_of_memory(message) {
-        InferError::OutOfMemory(format!("model '{name}': {message}"))
+        InferError::OutOfMemory(message.to_string())
     } else if code == ErrorCode::InvalidArgument {
         InferError::InvalidInput(format!("model '{name}' rejected the request: {message}"))
     } else {
-        InferError::Failed(format!("model '{name}' failed: {message}"))
+        InferError::Failed(message.to_string())
     }
 }
 
@@ -85,7 +87,11 @@ mod tests {
         let oom = infer_error("m", ErrorCode::RuntimeException, "std::bad_alloc");
         assert!(matches!(oom, InferError::OutOfMemory(_)));
         let other = "Non-zero status code returned while running MatMul node";
-        assert!(matches!(infer_error("m", ErrorCode::GenericFailure, other), InferError::Failed(_)));
+        let failed = infer_error("m", ErrorCode::GenericFailure, other);
+        assert!(
+            matches!(&failed, InferError::Failed(m) if m == other),
+            "named once, by the core: {failed:?}"
+        );
         let load = load_error("m", std::path::Path::new("/x.onnx"), other);
         assert_eq!(
             load,

@@ -275,15 +275,17 @@ fn panic_text(panic: Box<dyn std::any::Any + Send>) -> String {
 impl InferError {
     /// The transport-neutral error a user sees.
     pub fn into_snooze(self, model: &str) -> SnoozeError {
+        // Named once: a backend's message may already start with the model.
+        let named = |what: &str, m: String| {
+            let rest = m.strip_prefix(&format!("model '{model}'")).map(|r| r.trim_start_matches([':', ' ']));
+            format!("model '{model}' {what}: {}", rest.unwrap_or(&m))
+        };
         match self {
             InferError::InvalidInput(m) => SnoozeError::invalid(m),
-            InferError::OutOfMemory(m) => SnoozeError::new(
-                ErrorKind::InsufficientMemory,
-                format!("model '{model}' ran out of memory: {m}"),
-            ),
-            InferError::Failed(m) => {
-                SnoozeError::new(ErrorKind::Inference, format!("model '{model}' failed: {m}"))
+            InferError::OutOfMemory(m) => {
+                SnoozeError::new(ErrorKind::InsufficientMemory, named("ran out of memory", m))
             }
+            InferError::Failed(m) => SnoozeError::new(ErrorKind::Inference, named("failed", m)),
         }
     }
 }

@@ -138,3 +138,14 @@ fn growth_is_attributed_only_to_work_that_ran_alone() {
     assert!(c.grew(0).is_some());
     drop(held);
 }
+
+#[test]
+fn a_failure_names_its_model_once() {
+    let e =
+        InferError::Failed("Non-zero status code returned while running Conv node".into()).into_snooze("det");
+    assert_eq!(e.message, "model 'det' failed: Non-zero status code returned while running Conv node");
+    let e = InferError::Failed("model 'det' returned no output 'y'".into()).into_snooze("det");
+    assert_eq!(e.message, "model 'det' failed: returned no output 'y'");
+    let e = InferError::OutOfMemory("model 'det': std::bad_alloc".into()).into_snooze("det");
+    assert_eq!(e.message, "model 'det' ran out of memory: std::bad_alloc");
+}
