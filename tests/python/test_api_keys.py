@@ -101,6 +101,7 @@ class ApiKeysTest(unittest.TestCase):
             self.assertIn("API key is wrong", e.exception.body["message"])
         r = requests.post(self.server.base + "/v1/embeddings", json={"model": "minilm-onnx", "input": "x"})
         self.assertEqual(r.status_code, 401, r.text)
+        self.assertEqual(r.headers.get("WWW-Authenticate"), "Bearer", "a 401 names its scheme (RFC 9110)")
         self.assertEqual(set(r.json()["error"]), {"message", "type", "param", "code"}, "the OpenAI error shape")
         self.assertIn("needs an API key", r.json()["error"]["message"])
 
@@ -164,6 +165,7 @@ class ApiKeysTest(unittest.TestCase):
             for headers in ({}, bearer(INLINE_KEY), bearer(FILE_KEY), bearer("wrong")):
                 r = requests.request(method, base + path, headers=headers, json={} if method == "POST" else None)
                 self.assertEqual(r.status_code, 401, f"{method} {path} with {headers}: {r.text}")
+                self.assertEqual(r.headers.get("WWW-Authenticate"), "Bearer", f"{method} {path}")
             r = requests.request(method, base + path, headers=bearer(ADMIN_TOKEN),
                                  json={} if method == "POST" else None)
             self.assertEqual(r.status_code, 200, f"{method} {path} with the admin token: {r.text}")

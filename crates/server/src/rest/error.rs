@@ -43,6 +43,10 @@ pub fn error_response(e: &SnoozeError, body: Value) -> Response {
     if matches!(e.kind, ErrorKind::PayloadTooLarge | ErrorKind::RequestTimeout) {
         headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
+    if e.kind == ErrorKind::Unauthorized {
+        // RFC 9110: a 401 names the scheme it wants.
+        headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    }
     resp
 }
 
