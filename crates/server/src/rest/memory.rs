@@ -63,22 +63,28 @@ pub fn recommendations(models: &[ModelStatus], budget: u64, baseline: u64, headr
     for m in models {
         if let (Some(measured), Some(estimated)) = (m.footprint_measured_bytes, m.footprint_estimated_bytes) {
             let ratio = measured as f64 / estimated.max(1) as f64;
+            // A set `memory` is held for the model's runs too and stops the server learning
+            // their working set: the advice includes it, whether or not the model is loaded
+            // (unloaded, its measured figure is its load's alone).
+            let advised = advised_mib(measured.saturating_add(m.working_bytes.unwrap_or(0)));
+            let working = match m.working_bytes {
+                Some(w) => format!(" (its runs' working set of {} included)", format_bytes(w)),
+                None => String::new(),
+            };
             if ratio > 1.5 {
                 out.push(format!(
-                    "model '{}' measured {ratio:.1}x its estimate ({} vs {}): set memory = \"{}MiB\" in its [models.{}] table",
+                    "model '{}' measured {ratio:.1}x its estimate ({} vs {}): set memory = \"{advised}MiB\"{working} in its [models.{}] table",
                     m.name,
                     format_bytes(measured),
                     format_bytes(estimated),
-                    advised_mib(measured),
                     m.name
                 ));
             } else if ratio < 0.5 {
                 out.push(format!(
-                    "model '{}' measured only {ratio:.1}x its estimate ({} vs {}): memory = \"{}MiB\" would let more models stay loaded",
+                    "model '{}' measured only {ratio:.1}x its estimate ({} vs {}): memory = \"{advised}MiB\"{working} would let more models stay loaded",
                     m.name,
                     format_bytes(measured),
                     format_bytes(estimated),
-                    advised_mib(measured)
                 ));
             }
         }
@@ -235,6 +241,12 @@ mod tests {
         // ocr-cls: 1.8 MiB measured against a 20.6 MiB estimate.
         let r = recommendations(&[status("cls", 20 * (1 << 20), Some(1_887_437))], u64::MAX, 0, 0);
         assert!(r[0].contains("memory = \"2MiB\""), "{}", r[0]);
+        // Unloaded, a detector measured 16.7 MiB for its load; its runs hold 430 MiB more,
+        // which a fixed `memory` must cover (it stops the server learning them).
+        let mut det = status("det", 40 * (1 << 20), Some(17_511_219));
+        det.working_bytes = Some(430 << 20);
+        let r = recommendations(&[det], u64::MAX, 0, 0);
+        assert!(r[0].contains("memory = \"492MiB\" (its runs' working set of 430"), "{}", r[0]);
         assert_eq!(advised_mib(700 << 10), 1);
         assert_eq!(advised_mib(1), 1);
         assert_eq!(advised_mib(100 << 20), 110);
