@@ -138,3 +138,30 @@ fn warning_records_an_alert_and_emergency_unloads_idle_models() {
     let history = stats["history"].as_array().expect("history");
     assert!(history.iter().any(|r| r["level"] == "emergency"), "the history shows the emergency");
 }
+
+/// The accounted figure is what the budget holds now, not the last memory reading:
+/// with readings an hour apart, an unloaded 100 MB model leaves it at once.
+#[test]
+fn accounted_memory_is_current_right_after_an_unload() {
+    let cfg = format!(
+        "[server]\nmemory_check_interval = \"1h\"\n[models.b]\npath = \"{}/mlp-100m-1\"\n",
+        models_dir().display()
+    );
+    let s = Server::start("admin-accounted", &cfg, &[]);
+    assert_eq!(s.post("/v2/models/b/infer", &infer_body(&reference("mlp-100m-1"))).0, 200);
+    // The one-time copies a fresh state dir makes in the background are accounted while
+    // they run: let them end.
+    std::thread::sleep(Duration::from_secs(3));
+    let accounted = |s: &Server| s.get("/admin/memory/stats").1["devices"][0]["accounted_bytes"].as_u64();
+    let loaded = accounted(&s).expect("accounted");
+    assert_eq!(post_auth(&s, "/v2/repository/models/b/unload", None).0, 200);
+    let unloaded = accounted(&s).expect("accounted");
+    assert!(unloaded + (80 << 20) < loaded, "accounted {loaded} loaded, {unloaded} right after the unload");
+    let metrics = client().get(s.url("/metrics")).send().expect("metrics").text().expect("text");
+    let gauge = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("snooze_memory_bytes{device=\"cpu\",kind=\"accounted\"} "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no accounted gauge in:\n{metrics}"));
+    assert_eq!(gauge as u64, unloaded, "/metrics says what the stats say");
+}

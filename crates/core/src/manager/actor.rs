@@ -212,6 +212,10 @@ impl Actor {
                 let _ = reply.send(self.scheduler.status(now()));
                 return Vec::new();
             }
+            Command::Accounted { reply } => {
+                let _ = reply.send(self.scheduler.accounted(&Device::Cpu));
+                return Vec::new();
+            }
             Command::Cancel { req } => {
                 self.jobs.remove(&req);
                 self.replies.remove(&req);

@@ -125,6 +125,10 @@ pub(crate) enum Command {
     Status {
         reply: oneshot::Sender<Vec<ModelStatus>>,
     },
+    /// What the budget accounts on the host now (not at the last memory check).
+    Accounted {
+        reply: oneshot::Sender<u64>,
+    },
     Cancel {
         req: RequestId,
     },
@@ -497,6 +501,16 @@ impl ModelManager {
         let (reply, rx) = oneshot::channel();
         self.send(Command::Status { reply });
         rx.await.unwrap_or_default()
+    }
+
+    /// The host memory the budget accounts now: the baseline, what every model holds
+    /// (working sets in flight included) and preparations running. The pressure history's
+    /// readings are up to `memory_check_interval` old: right after an unload they still
+    /// count the model.
+    pub async fn accounted(&self) -> Option<u64> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Accounted { reply });
+        rx.await.ok()
     }
 
     /// Refuses new work, lets runs finish (up to `timeout`), unloads everything.

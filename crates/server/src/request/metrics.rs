@@ -163,7 +163,7 @@ pub async fn render(state: &AppState) -> String {
     let status = state.manager.status().await;
     let pressure = state.manager.pressure_state();
     let snap = HostProbe::new().snapshot();
-    let accounted = pressure.history.back().map_or(0, |r| r.accounted_bytes);
+    let accounted = state.manager.accounted().await.unwrap_or(0);
     for (kind, bytes) in [
         ("total", snap.total_bytes),
         ("available", snap.available_bytes),

@@ -23,10 +23,10 @@ pub fn routes() -> Router<AppState> {
 }
 
 /// The host, then every GPU: total, free, held by this process, budget.
-fn devices_json(state: &AppState) -> Vec<Value> {
+async fn devices_json(state: &AppState) -> Vec<Value> {
     let snap = HostProbe::new().snapshot();
     let pressure = state.manager.pressure_state();
-    let accounted = pressure.history.back().map(|r| r.accounted_bytes);
+    let accounted = state.manager.accounted().await;
     let mut out = vec![json!({
         "device": "cpu",
         "limit_source": snap.source,
@@ -110,7 +110,7 @@ async fn stats(State(state): State<AppState>) -> Response {
     let pressure = state.manager.pressure_state();
     let t = state.settings.thresholds();
     ok_json(json!({
-        "devices": devices_json(&state),
+        "devices": devices_json(&state).await,
         "level": pressure.level,
         "thresholds": {"warning": t.warning, "critical": t.critical, "emergency": t.emergency},
         "history": pressure.history,
@@ -183,7 +183,7 @@ async fn dump(State(state): State<AppState>) -> Response {
         "models": models,
         "leases_total": status.iter().map(|s| s.leases as u64).sum::<u64>(),
         "probe": HostProbe::new().snapshot(),
-        "devices": devices_json(&state),
+        "devices": devices_json(&state).await,
         "pressure": state.manager.pressure_state(),
         "allocator": allocator(),
         "process": proc_status(),
