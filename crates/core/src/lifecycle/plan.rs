@@ -207,6 +207,7 @@ impl Scheduler {
                     && !s.promoted
                     && s.promoting.is_none()
                     && !s.closed()
+                    && !s.unload_requested // open only to finish the jobs it waits for
                     && *loaded_at + PROMOTE_AFTER <= now
                     && s.batched_runs >= PROMOTE_AFTER_BATCHES
             }
