@@ -72,7 +72,8 @@ pub struct Service {
 
 /// The service with its limits: messages up to `max_request_size`, refused before
 /// tonic reads them by `limit::MessageLimitLayer` (tonic's own bound stays as a backstop).
-pub fn service(state: AppState) -> GrpcInferenceServiceServer<Service> {
+/// Served only behind that layer, which also holds the key and token rules ([`gate`]).
+fn service(state: AppState) -> GrpcInferenceServiceServer<Service> {
     let limit = usize::try_from(state.settings.max_request_size).unwrap_or(usize::MAX);
     GrpcInferenceServiceServer::new(Service { state })
         .max_decoding_message_size(limit.saturating_add(1))
@@ -106,9 +107,10 @@ pub async fn serve(
     Ok(())
 }
 
-/// The key and token rules of every RPC, asked before its message is read (the
-/// handlers ask again): health and readiness are open, the repository's load and unload
-/// need the admin token, the rest an API key when any is set.
+/// The key and token rules of every RPC, in one place, asked before its message is read
+/// (the handlers behind it do not ask again): health and readiness are open, the
+/// repository's load and unload need the admin token, the rest an API key when any is
+/// set — as on their REST routes.
 fn gate(state: AppState) -> limit::Gate {
     std::sync::Arc::new(move |path: &str, authorization: Option<&str>| {
         match path.rsplit('/').next().unwrap_or_default() {
@@ -119,23 +121,6 @@ fn gate(state: AppState) -> limit::Gate {
             _ => state.keys.check(authorization),
         }
     })
-}
-
-/// The `authorization` metadata, as text.
-fn authorization<T>(req: &Request<T>) -> Option<&str> {
-    req.metadata().get("authorization").and_then(|v| v.to_str().ok())
-}
-
-/// Repository RPCs need the admin token (metadata `authorization: Bearer ...`) when
-/// one is set, like their REST routes.
-fn require_admin<T>(state: &AppState, req: &Request<T>) -> Result<(), Status> {
-    auth::check_admin(state.settings.admin_token.as_deref(), authorization(req)).map_err(fail)
-}
-
-/// Metadata, inference and the index need an API key when any is set, like their
-/// REST routes; health and readiness do not.
-fn require_key<T>(state: &AppState, req: &Request<T>) -> Result<(), Status> {
-    state.keys.check(authorization(req)).map_err(fail)
 }
 
 fn priority_of(req: &Request<ModelInferRequest>) -> Result<Option<snooze_core::Priority>, SnoozeError> {
@@ -212,9 +197,8 @@ impl GrpcInferenceService for Service {
 
     async fn server_metadata(
         &self,
-        req: Request<ServerMetadataRequest>,
+        _req: Request<ServerMetadataRequest>,
     ) -> Result<Response<ServerMetadataResponse>, Status> {
-        require_key(&self.state, &req)?;
         Ok(Response::new(ServerMetadataResponse {
             name: "snoozeml".into(),
             version: env!("CARGO_PKG_VERSION").into(),
@@ -226,7 +210,6 @@ impl GrpcInferenceService for Service {
         &self,
         req: Request<ModelMetadataRequest>,
     ) -> Result<Response<ModelMetadataResponse>, Status> {
-        require_key(&self.state, &req)?;
         let req = req.into_inner();
         let info = self.state.model(&req.name, Some(&req.version)).map_err(fail)?;
         let sig = info.signature.as_ref().map_err(|e| {
@@ -254,7 +237,6 @@ impl GrpcInferenceService for Service {
         &self,
         req: Request<ModelInferRequest>,
     ) -> Result<Response<ModelInferResponse>, Status> {
-        require_key(&self.state, &req)?;
         let started = std::time::Instant::now();
         let r = req.get_ref();
         let info = self.state.model(&r.model_name, Some(&r.model_version)).map_err(fail)?;
@@ -267,7 +249,6 @@ impl GrpcInferenceService for Service {
         &self,
         req: Request<RepositoryIndexRequest>,
     ) -> Result<Response<RepositoryIndexResponse>, Status> {
-        require_key(&self.state, &req)?;
         let ready_only = req.get_ref().ready;
         let models = self
             .state
@@ -288,7 +269,6 @@ impl GrpcInferenceService for Service {
         &self,
         req: Request<RepositoryModelLoadRequest>,
     ) -> Result<Response<RepositoryModelLoadResponse>, Status> {
-        require_admin(&self.state, &req)?;
         self.state.admit().map_err(fail)?;
         let name = &req.get_ref().model_name;
         self.state.manager.info(name).map_err(fail)?;
@@ -300,7 +280,6 @@ impl GrpcInferenceService for Service {
         &self,
         req: Request<RepositoryModelUnloadRequest>,
     ) -> Result<Response<RepositoryModelUnloadResponse>, Status> {
-        require_admin(&self.state, &req)?;
         let name = &req.get_ref().model_name;
         self.state.manager.info(name).map_err(fail)?;
         self.state.manager.unload(name).await.map_err(fail)?;
