@@ -95,16 +95,23 @@ fn describe() {
     describe_gauge!(metric::PRESSURE, "Memory pressure: 0 normal, 1 warning, 2 critical, 3 emergency");
 }
 
+/// A request's counter and duration histogram for `name` on `protocols`, at 0.
+fn register_requests(name: &str, protocols: &[&'static str]) {
+    for &protocol in protocols {
+        let outcomes = std::iter::once("ok").chain(ErrorKind::ALL.iter().map(|k| k.code()));
+        for outcome in outcomes {
+            counter!(metric::REQUESTS, "model" => name.to_string(), "protocol" => protocol, "outcome" => outcome)
+                .increment(0);
+        }
+    }
+    let _ = metrics::histogram!(metric::REQUEST_DURATION, "model" => name.to_string());
+}
+
 /// Creates the request counters of every OCR pipeline at 0 (its requests are counted
 /// under its name; its stages' runs under theirs).
 pub fn register_pipelines<'a>(pipelines: impl Iterator<Item = &'a str>) {
     for p in pipelines {
-        let outcomes = std::iter::once("ok").chain(ErrorKind::ALL.iter().map(|k| k.code()));
-        for outcome in outcomes {
-            counter!(metric::REQUESTS, "model" => p.to_string(), "protocol" => "openai", "outcome" => outcome)
-                .increment(0);
-        }
-        let _ = metrics::histogram!(metric::REQUEST_DURATION, "model" => p.to_string());
+        register_requests(p, &["openai"]);
     }
 }
 
@@ -112,13 +119,7 @@ pub fn register_pipelines<'a>(pipelines: impl Iterator<Item = &'a str>) {
 pub fn register_models<'a>(models: impl Iterator<Item = &'a str>) {
     for m in models {
         let model = || m.to_string();
-        for protocol in PROTOCOLS {
-            let outcomes = std::iter::once("ok").chain(ErrorKind::ALL.iter().map(|k| k.code()));
-            for outcome in outcomes {
-                counter!(metric::REQUESTS, "model" => model(), "protocol" => protocol, "outcome" => outcome)
-                    .increment(0);
-            }
-        }
+        register_requests(m, &PROTOCOLS);
         for outcome in LOAD_OUTCOMES {
             counter!(metric::LOADS, "model" => model(), "outcome" => outcome).increment(0);
         }
@@ -129,7 +130,7 @@ pub fn register_models<'a>(models: impl Iterator<Item = &'a str>) {
             counter!(metric::REFUSALS, "model" => model(), "reason" => kind.code()).increment(0);
         }
         // Histograms too (their `_count` and `_sum` at 0), for rates taken over them.
-        for name in [metric::REQUEST_DURATION, metric::QUEUE_WAIT, metric::LOAD_DURATION] {
+        for name in [metric::QUEUE_WAIT, metric::LOAD_DURATION] {
             let _ = metrics::histogram!(name, "model" => model());
         }
         for step in OOM_STEPS {
