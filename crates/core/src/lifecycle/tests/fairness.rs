@@ -56,8 +56,9 @@ fn a_short_request_runs_between_two_slices_of_a_long_job() {
     assert_eq!(dispatched(&h, &a), ["long"], "then the job's next slice");
 }
 
-#[test]
-fn a_job_between_two_slices_at_shutdown_goes_on_and_what_never_started_is_refused() {
+/// A long job whose first slice ended while a short request (`quick`, now running in the
+/// one run slot) waited: the job waits in line behind it. Returns (harness, job, quick).
+fn a_job_between_two_slices() -> (Harness, RequestId, RequestId) {
     let mut h = harness();
     h.call("short").unwrap();
     let job = h.use_model("long").unwrap();
@@ -65,6 +66,12 @@ fn a_job_between_two_slices_at_shutdown_goes_on_and_what_never_started_is_refuse
     h.at(0.2);
     let a = slice_ends(&mut h, job);
     assert_eq!(dispatched(&h, &a), ["short"], "the job waits in line behind it");
+    (h, job, quick)
+}
+
+#[test]
+fn a_job_between_two_slices_at_shutdown_goes_on_and_what_never_started_is_refused() {
+    let (mut h, job, quick) = a_job_between_two_slices();
     let (late, _) = h.submit("long");
     h.feed(Event::Shutdown);
     assert_eq!(h.outcome(late).map(|r| r.is_err()), Some(true), "never started: refused");
@@ -253,12 +260,7 @@ fn beside_a_slow_load_first_loads_and_slow_ones_wait() {
 
 #[test]
 fn an_asked_for_unload_waits_for_a_job_between_two_slices_and_starts_nothing_new() {
-    let mut h = harness();
-    h.call("short").unwrap();
-    let job = h.use_model("long").unwrap();
-    let (quick, _) = h.submit("short");
-    h.at(0.2);
-    slice_ends(&mut h, job);
+    let (mut h, job, quick) = a_job_between_two_slices();
     // The job waits between two slices (behind `quick`) when the unload is asked for.
     let a = h.feed(Event::Unload { req: 900, model: h.id("long") });
     assert!(!a.iter().any(|a| matches!(a, Action::StartUnload { .. })), "the job holds the model: {a:?}");
