@@ -199,14 +199,9 @@ fn from_json(body: &[u8]) -> Result<(Option<Bytes>, Option<String>, Request), Op
     let Members(fields) = serde_json::from_slice(body)
         .map_err(|e| bad("", format!("the body is not a JSON object of an OCR request: {e}")))?;
     let (mut file, mut pipeline, mut request) = (None, None, Request::default());
-    let mut seen = std::collections::HashSet::new();
+    let mut seen = SeenFields::members();
     for (name, value) in &fields {
-        if !seen.insert(name.as_str()) {
-            return Err(bad(
-                name.clone(),
-                format!("the member '{name}' is given more than once: send it once"),
-            ));
-        }
+        seen.once(name)?;
         if name == "file" {
             let Value::String(text) = value else {
                 return Err(bad("file", "`file` must be the document as a base64 string"));

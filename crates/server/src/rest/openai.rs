@@ -36,22 +36,34 @@ pub fn routes() -> Router<AppState> {
 /// An error in OpenAI's shape.
 pub struct OpenAiError(SnoozeError, Option<Cow<'static, str>>);
 
-/// The names of a multipart form's fields seen so far. A field given twice is refused:
-/// which of the two should count is a guess either way. OpenAI's list fields (`...[]`)
-/// repeat by design.
-#[derive(Default)]
-pub(super) struct SeenFields(Vec<String>);
+/// The names of a multipart form's fields (or a JSON body's members) seen so far. One
+/// given twice is refused: which of the two should count is a guess either way. OpenAI's
+/// list fields (`...[]`) repeat by design. A set: a body may hold many members.
+pub(super) struct SeenFields {
+    names: std::collections::HashSet<String>,
+    what: &'static str,
+}
+
+impl Default for SeenFields {
+    fn default() -> Self {
+        SeenFields { names: Default::default(), what: "form field" }
+    }
+}
 
 impl SeenFields {
+    /// For a JSON object's members.
+    pub(super) fn members() -> Self {
+        SeenFields { what: "member", ..Default::default() }
+    }
+
     pub(super) fn once(&mut self, name: &str) -> Result<(), OpenAiError> {
         if name.ends_with("[]") {
             return Ok(());
         }
-        if self.0.iter().any(|n| n == name) {
-            let msg = format!("the form field '{name}' is given more than once: send it once");
+        if !self.names.insert(name.to_string()) {
+            let msg = format!("the {} '{name}' is given more than once: send it once", self.what);
             return Err(OpenAiError::about(name.to_string(), SnoozeError::invalid(msg)));
         }
-        self.0.push(name.to_string());
         Ok(())
     }
 }
