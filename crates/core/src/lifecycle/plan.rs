@@ -351,21 +351,23 @@ impl Scheduler {
     pub(super) fn plan(&self, model: ModelId, device: &Device, now: Instant) -> Plan {
         let room = self.room(model, device);
         let cap = self.config.max_loaded_models;
-        let pinned_in: Vec<&str> = self
-            .slots
-            .iter()
-            .enumerate()
-            .filter(|(id, s)| *id != model && s.policy.pinned)
-            .filter(|(_, s)| matches!(s.state, SlotState::Loading { .. } | SlotState::Ready { .. }))
-            .map(|(_, s)| s.name())
-            .collect();
-        if cap > 0 && pinned_in.len() >= cap {
-            return Plan::Refuse(refusal::no_slot_ever(
-                self.slots[model].name(),
-                cap,
-                &pinned_in,
-                self.config.retry_after,
-            ));
+        if cap > 0 {
+            let pinned_in: Vec<&str> = self
+                .slots
+                .iter()
+                .enumerate()
+                .filter(|(id, s)| *id != model && s.policy.pinned)
+                .filter(|(_, s)| matches!(s.state, SlotState::Loading { .. } | SlotState::Ready { .. }))
+                .map(|(_, s)| s.name())
+                .collect();
+            if pinned_in.len() >= cap {
+                return Plan::Refuse(refusal::no_slot_ever(
+                    self.slots[model].name(),
+                    cap,
+                    &pinned_in,
+                    self.config.retry_after,
+                ));
+            }
         }
         let baseline = self.config.baselines.get(device).copied().unwrap_or(0);
         let pinned: u64 =
