@@ -39,14 +39,28 @@ pub(crate) fn load_error(name: &str, path: &std::path::Path, message: &str) -> L
     }
 }
 
+/// Substrings of the failures a run meets when the *shape* of its input does not fit the
+/// graph, though the input matches the model's declared dimensions: a detector whose
+/// downsampling leaves 1 px where its skip connection has 2 ("Shape mismatch attempting
+/// to re-use buffer. {1,96,1,1} != {1,96,2,2}"), an `Add` of two branches whose sizes a
+/// side not divisible by the stride made differ, a `Reshape` whose element count does not
+/// divide. ONNX Runtime reports them as `FAIL`; the same input fails the same way every
+/// time and other inputs run, so they are the request's to fix, like `INVALID_ARGUMENT`.
+pub const SHAPE_MESSAGES: [&str; 3] = [
+    "Shape mismatch attempting to re-use buffer",
+    "Attempting to broadcast an axis by a dimension other than 1",
+    "The input tensor cannot be reshaped to the requested shape",
+];
+
 /// A failed run. ONNX Runtime flags shape and type mismatches it catches as
-/// `INVALID_ARGUMENT`: those are the request's fault, not the model's.
+/// `INVALID_ARGUMENT`, and a shape the graph cannot take by [`SHAPE_MESSAGES`]: those
+/// are the request's fault, not the model's.
 pub(crate) fn infer_error(name: &str, code: ErrorCode, message: &str) -> InferError {
     // The core names the model in front of an out-of-memory or a failure ("model 'm'
     // failed: ..."); only the invalid input's message is shown as it is.
     if is_out_of_memory(message) {
         InferError::OutOfMemory(message.to_string())
-    } else if code == ErrorCode::InvalidArgument {
+    } else if code == ErrorCode::InvalidArgument || SHAPE_MESSAGES.iter().any(|m| message.contains(m)) {
         InferError::InvalidInput(format!("model '{name}' rejected the request: {message}"))
     } else {
         InferError::Failed(message.to_string())
@@ -84,6 +98,15 @@ mod tests {
     fn run_errors_are_classified_by_code_and_message() {
         let invalid = infer_error("m", ErrorCode::InvalidArgument, "Got invalid dimensions");
         assert!(matches!(invalid, InferError::InvalidInput(_)));
+        // What ocr-det answers for a 16 x 16 input (its metadata allows any size).
+        let small = "Non-zero status code returned while running Add node. Name:'Add.178' Status Message: \
+            op_kernel.cc:87 [ONNXRuntimeError] : 1 : FAIL : Shape mismatch attempting to re-use buffer. \
+            {1,96,1,1} != {1,96,2,2}.";
+        let small = infer_error("ocr-det", ErrorCode::GenericFailure, small);
+        assert!(
+            matches!(&small, InferError::InvalidInput(m) if m.starts_with("model 'ocr-det' rejected")),
+            "{small:?}"
+        );
         let oom = infer_error("m", ErrorCode::RuntimeException, "std::bad_alloc");
         assert!(matches!(oom, InferError::OutOfMemory(_)));
         let other = "Non-zero status code returned while running MatMul node";

@@ -363,6 +363,12 @@ fn hostile_documents_get_a_clear_4xx_and_change_nothing() {
         let body: Value = resp.json().unwrap();
         assert_eq!(body["pages"], first["pages"]);
     }
+    // The detector alone over KServe: its metadata takes any height and width, but under
+    // 32 px a side its skip connections no longer line up; the request's fault, a 400.
+    let tiny = json!({"inputs": [{"name": "x", "shape": [1, 3, 16, 16], "datatype": "FP32", "data": vec![0.5; 768]}]});
+    let (status, body, _) = server.post("/v2/models/ocr-det/infer", &tiny);
+    assert_eq!(status, 400, "{body}");
+    assert!(body["error"].as_str().unwrap().starts_with("model 'ocr-det' rejected the request"), "{body}");
     let form = audio::form(&[("pipeline", "ocr")], None);
     let resp = client()
         .post(server.url("/v1/ocr"))
