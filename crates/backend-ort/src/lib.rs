@@ -31,15 +31,12 @@ mod external;
 mod model;
 mod onnx_file;
 mod proto;
+mod sessions;
 mod threads;
 mod weights;
 mod whisper;
 
-use crate::{
-    model::{serving_builder, OrtModel, Runner},
-    onnx_file::ModelFile,
-    weights::ModelBytes,
-};
+use crate::{model::OrtModel, onnx_file::ModelFile};
 
 const HOW_TO_FIX: &str = "run `make prepare` (it installs onnxruntime into .venv) and set ORT_DYLIB_PATH to \
      .venv/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime.so.1.*";
@@ -168,119 +165,6 @@ impl OrtBackend {
         weights::ort_format_file(&self.env, file, dir, &self.library).map_err(|e| {
             LoadError::Failed(format!("model '{name}' (weights = \"{}\"): {e}", weights.as_str()))
         })
-    }
-
-    /// What an unconverted `compact` or `mapped` model loads: its mapped copy, made now if
-    /// need be, with the bytes of its data file; else the `.onnx`.
-    fn interim_source(&self, name: &str, file: &Path) -> (PathBuf, u64) {
-        let Some(dir) = self.cache_dir.as_deref() else { return (file.to_path_buf(), 0) };
-        match weights::mapped_copy(file, dir, &self.library) {
-            Ok(Some(copy)) => {
-                let data = copy.with_file_name(external::DATA_FILE);
-                (copy, std::fs::metadata(data).map_or(0, |m| m.len()))
-            }
-            Ok(None) => (file.to_path_buf(), 0),
-            Err(e) => {
-                tracing::warn!(model = %name, error = %e, "loading the .onnx: no mapped copy");
-                (file.to_path_buf(), 0)
-            }
-        }
-    }
-
-    /// Creates `n` sessions for `file` held as `weights`; with them, what in-place sessions
-    /// borrow and the bytes of data files the runtime maps.
-    fn sessions(
-        &self,
-        spec: &LoadSpec,
-        file: &Path,
-    ) -> Result<(Vec<Runner>, Option<ModelBytes>, u64), LoadError> {
-        let failed = |e: &str| errors::load_error(&spec.name, file, e);
-        let n = spec.instances.max(1);
-        // Threads come from the environment's global pool (see `ThreadPool`), or a
-        // low-priority pool of the session's own (see `threads`).
-        let builder = |prepack: bool| serving_builder(self, spec, prepack).map_err(|e| failed(&e));
-        match spec.weights {
-            Weights::Prepacked | Weights::Auto => {
-                // The saved prepacked copy (mapped by the runtime), else the `.onnx` as
-                // ONNX Runtime loads it by default.
-                let source = match &self.cache_dir {
-                    Some(dir) => weights::cached_prepacked_file(file, dir, &self.library)
-                        .unwrap_or_else(|| file.to_path_buf()),
-                    None => file.to_path_buf(),
-                };
-                let sessions = (0..n)
-                    .map(|_| {
-                        builder(true)?
-                            .commit_from_file(&source)
-                            .map(Runner::Own)
-                            .map_err(|e| failed(e.message()))
-                    })
-                    .collect::<Result<_, _>>()?;
-                Ok((sessions, None, 0))
-            }
-            Weights::Compact | Weights::Mapped => {
-                // Not converted yet (a background preparation will): the mapped copy,
-                // made now if need be, else the .onnx. Without prepacking, as the
-                // converted form runs: the load is the part a waiting request sees. On
-                // the 100 MiB MLP: the .onnx loads in 145-171 ms with 100 MiB of private
-                // memory (227-413 ms prepacked); the mapped copy is made in ~40 ms and
-                // loads in ~4 ms with none, its weights page cache.
-                let Some(ort_file) = self.cached_ort_format(file) else {
-                    let (source, mapped) = self.interim_source(&spec.name, file);
-                    tracing::debug!(model = %spec.name, weights = spec.weights.as_str(), source = %source.display(), "not converted yet");
-                    let sessions = |from: &Path| {
-                        (0..n)
-                            .map(|_| {
-                                builder(false)?
-                                    .commit_from_file(from)
-                                    .map(Runner::Own)
-                                    .map_err(|e| failed(e.message()))
-                            })
-                            .collect::<Result<Vec<_>, _>>()
-                    };
-                    return match sessions(&source) {
-                        Ok(made) => Ok((made, None, mapped)),
-                        // The runtime refused the copy (it takes whatever it takes from
-                        // the .onnx): the .onnx, whose error is the one to report.
-                        Err(e) if source != file => {
-                            tracing::warn!(model = %spec.name, error = %e, "the mapped copy did not load: loading the .onnx; the copy is made again by the next load");
-                            if let Some(dir) = self.cache_dir.as_deref() {
-                                weights::discard_mapped_copy(file, dir, &self.library);
-                            }
-                            Ok((sessions(file)?, None, 0))
-                        }
-                        Err(e) => Err(e),
-                    };
-                };
-                let bytes = if spec.weights == Weights::Mapped {
-                    ModelBytes::map(&ort_file)
-                } else {
-                    ModelBytes::read(&ort_file)
-                }
-                .map_err(|e| LoadError::Failed(format!("model '{}': {e}", spec.name)))?;
-                // SAFETY: the slice points into `bytes` (heap or mapping: it does not move
-                // when `bytes` does); the model returned keeps `bytes` until every session
-                // made from it is dropped.
-                let slice: &'static [u8] =
-                    unsafe { std::mem::transmute::<&[u8], &'static [u8]>(bytes.as_slice()) };
-                // The zero-copy keys are set once on a builder used for one session:
-                // `commit_from_memory_directly` resets them after its commit, which ONNX
-                // Runtime reports as two warnings on every load.
-                let sessions = (0..n)
-                    .map(|_| {
-                        let mut b = builder(false)?;
-                        for key in [
-                            "session.use_ort_model_bytes_directly",
-                            "session.use_ort_model_bytes_for_initializers",
-                        ] {
-                            b = b.with_config_entry(key, "1").map_err(|e| failed(e.message()))?;
-                        }
-                        b.commit_from_memory(slice).map(Runner::InPlace).map_err(|e| failed(e.message()))
-                    })
-                    .collect::<Result<_, _>>()?;
-                Ok((sessions, Some(bytes), 0))
-            }
-        }
     }
 }
 

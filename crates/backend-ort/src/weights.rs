@@ -110,8 +110,15 @@ pub(crate) fn prepacked_file(
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(format!("cannot save a prepacked copy of {}: {e}", onnx.display()));
     }
-    std::fs::rename(&tmp, &dir)
-        .map_err(|e| format!("cannot move the prepacked copy to {}: {e}", dir.display()))?;
+    if let Err(e) = std::fs::rename(&tmp, &dir) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        // Another process sharing the cache (a `snooze prepare` beside the server, a
+        // second replica on one volume) saved the same copy first: the first rename wins.
+        if model.is_file() {
+            return Ok(model);
+        }
+        return Err(format!("cannot move the prepacked copy to {}: {e}", dir.display()));
+    }
     remember_source(onnx, cache_dir, runtime);
     log_made("saved a prepacked copy", onnx, &dir, started);
     Ok(model)
@@ -178,6 +185,11 @@ fn conversion_source(onnx: &Path, cache_dir: &Path, runtime: &Path) -> PathBuf {
             onnx.to_path_buf()
         }
     }
+}
+
+/// Removes the prepacked copy of `onnx` (one the runtime would not load).
+pub(crate) fn discard_prepacked_copy(onnx: &Path, cache_dir: &Path, runtime: &Path) {
+    let _ = std::fs::remove_dir_all(cache_dir.join(format!("{}.prepacked", cache_stem(onnx, runtime))));
 }
 
 /// The prepacked copy of `onnx` in `cache_dir`, if one was saved.

@@ -208,3 +208,64 @@ fn a_broken_mapped_copy_is_replaced_by_the_onnx_and_made_again() {
     assert!(m.mapped_bytes() > 0 && copy.join("model.data").is_file(), "made again by the next load");
     assert_eq!(run(m.as_ref()), from_onnx);
 }
+
+/// The cache entries of `dir` whose names end with `suffix`.
+fn entries(dir: &std::path::Path, suffix: &str) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_str().is_some_and(|s| s.ends_with(suffix)))
+        .collect()
+}
+
+#[test]
+fn a_broken_prepacked_or_ort_format_copy_is_removed_and_the_onnx_loads() {
+    let dir = cache_dir("broken-converted");
+    let b = backend().with_cache_dir(&dir);
+    let run = |m: &dyn snooze_core::LoadedModel| floats(&m.infer(&inputs()[0], &[]).unwrap());
+    let expected = run(backend().load(&spec("mlp-10m", Weights::Prepacked)).unwrap().as_ref());
+    // A prepacked copy whose data file was cut short (a full disk, a damaged volume):
+    // every load failed with the runtime's error, naming the intact .onnx.
+    b.prepare(&spec("mlp-10m", Weights::Prepacked)).unwrap();
+    let [copy] = entries(&dir, ".prepacked").try_into().unwrap();
+    std::fs::OpenOptions::new().write(true).open(copy.join("model.data")).unwrap().set_len(4096).unwrap();
+    let m = b.load(&spec("mlp-10m", Weights::Prepacked)).expect("served from the .onnx");
+    assert_eq!(run(m.as_ref()), expected);
+    assert!(!copy.exists(), "the broken copy is gone, so the next preparation makes it again");
+    b.prepare(&spec("mlp-10m", Weights::Prepacked)).unwrap();
+    assert!(copy.join("model.onnx").is_file());
+    // The same for the ORT-format file of `compact` and `mapped`.
+    b.prepare(&spec("mlp-10m", Weights::Compact)).unwrap();
+    let [ort] = entries(&dir, ".ort").try_into().unwrap();
+    std::fs::OpenOptions::new().write(true).open(&ort).unwrap().set_len(4096).unwrap();
+    for weights in [Weights::Compact, Weights::Mapped] {
+        let m = b.load(&spec("mlp-10m", weights)).expect("served without the ORT-format file");
+        let diff = max_abs_diff(&run(m.as_ref()), &expected);
+        assert!(diff < 1e-4, "{weights:?}: {diff}");
+    }
+    assert!(!ort.exists(), "the broken ORT-format file is gone");
+}
+
+#[test]
+fn two_processes_saving_one_prepacked_copy_both_succeed_and_leave_no_half_copy() {
+    // A `snooze prepare` beside the server, or two replicas on one volume: both convert,
+    // the first rename wins, the second found a directory in its way and failed (and left
+    // its 200 MB temporary copy behind).
+    let dir = cache_dir("racing-prepare");
+    let b = backend().with_cache_dir(&dir);
+    let both: Vec<_> = std::thread::scope(|s| {
+        let racing: Vec<_> =
+            (0..2).map(|_| s.spawn(|| b.prepare(&spec("mlp-100m-1", Weights::Prepacked)))).collect();
+        racing.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    for result in both {
+        result.expect("the second saver takes the first one's copy");
+    }
+    assert_eq!(entries(&dir, ".prepacked").len(), 1);
+    let half: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.contains(".tmp-"))
+        .collect();
+    assert!(half.is_empty(), "left behind: {half:?}");
+}
