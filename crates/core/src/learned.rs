@@ -9,7 +9,10 @@ use std::{
     collections::BTreeMap,
     fs,
     path::{Path, PathBuf},
-    sync::Mutex,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Mutex,
+    },
     time::{SystemTime, UNIX_EPOCH},
 };
 
@@ -30,10 +33,15 @@ struct StateFile {
 }
 
 /// The store; writes are atomic (temp file + rename) so a crash never leaves half a file.
+/// Several processes may share the file (replicas on one volume, `snooze prepare` beside
+/// the server): each write starts from what is on disk, so one's entries survive
+/// another's, and each writes a temporary file of its own.
 #[derive(Debug)]
 pub struct FootprintStore {
     path: PathBuf,
     state: Mutex<StateFile>,
+    /// A failed save is logged once, not at every load.
+    warned: AtomicBool,
 }
 
 impl FootprintStore {
@@ -47,7 +55,7 @@ impl FootprintStore {
             }),
             Err(_) => StateFile::default(),
         };
-        FootprintStore { path, state: Mutex::new(state) }
+        FootprintStore { path, state: Mutex::new(state), warned: AtomicBool::new(false) }
     }
 
     /// The learned footprint of `model`, if measured on these same files.
@@ -58,19 +66,35 @@ impl FootprintStore {
 
     pub fn record(&self, model: &str, learned: LearnedFootprint) {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        // What other processes sharing the file learned since it was read.
+        let disk: Option<StateFile> =
+            fs::read_to_string(&self.path).ok().and_then(|text| serde_json::from_str(&text).ok());
+        for (name, theirs) in disk.map(|d| d.footprints).unwrap_or_default() {
+            state.footprints.entry(name).or_insert(theirs);
+        }
         state.footprints.insert(model.to_string(), learned);
-        if let Err(e) = self.write(&state) {
-            tracing::warn!(path = %self.path.display(), error = %e, "cannot save learned footprints");
+        match self.write(&state) {
+            Ok(()) => self.warned.store(false, Ordering::Relaxed),
+            Err(e) if !self.warned.swap(true, Ordering::Relaxed) => {
+                tracing::warn!(path = %self.path.display(), error = %e, "cannot save learned footprints (said once until a save succeeds)");
+            }
+            Err(_) => {}
         }
     }
 
     fn write(&self, state: &StateFile) -> std::io::Result<()> {
+        static WRITES: AtomicU64 = AtomicU64::new(0);
         if let Some(dir) = self.path.parent() {
             fs::create_dir_all(dir)?;
         }
-        let tmp = self.path.with_extension("json.tmp");
-        fs::write(&tmp, serde_json::to_vec_pretty(state)?)?;
-        fs::rename(tmp, &self.path)
+        let n = WRITES.fetch_add(1, Ordering::Relaxed);
+        let tmp = self.path.with_extension(format!("json.tmp-{}-{n}", std::process::id()));
+        let written =
+            fs::write(&tmp, serde_json::to_vec_pretty(state)?).and_then(|()| fs::rename(&tmp, &self.path));
+        if written.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        written
     }
 }
 
@@ -130,9 +154,21 @@ mod tests {
         };
         FootprintStore::open(&dir.join("state")).record("m", learned.clone());
         let reopened = FootprintStore::open(&dir.join("state"));
-        assert_eq!(reopened.get("m", &fp), Some(learned));
+        assert_eq!(reopened.get("m", &fp), Some(learned.clone()));
         assert_eq!(reopened.get("m", "4:0"), None, "other files: not trusted");
         assert_eq!(reopened.get("other", &fp), None);
+        // A second process sharing the state: neither loses the other's entries.
+        let (a, b) = (FootprintStore::open(&dir.join("state")), FootprintStore::open(&dir.join("state")));
+        a.record("from-a", learned.clone());
+        b.record("from-b", learned.clone());
+        let both = FootprintStore::open(&dir.join("state"));
+        assert!(
+            both.get("from-a", &fp).is_some()
+                && both.get("from-b", &fp).is_some()
+                && both.get("m", &fp).is_some()
+        );
+        let left: Vec<_> = fs::read_dir(dir.join("state")).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left, ["footprints.json"], "no temporary file is left");
         fs::write(dir.join("state/footprints.json"), b"{not json").unwrap();
         assert_eq!(FootprintStore::open(&dir.join("state")).get("m", &fp), None);
         fs::remove_dir_all(dir).unwrap();
