@@ -212,6 +212,35 @@ fn every_container_and_rate_gives_the_same_words() {
 }
 
 #[test]
+fn phone_and_joined_recordings_give_all_their_words() {
+    // A voice memo (M4A/AAC), and two MP3s joined with `cat`, whose first LAME tag once
+    // cut the second file off with a 200; a browser's WebM/Opus is refused by name.
+    let s = Server::start("speech-recordings", &config(""), &[]);
+    let scratch = Scratch::new("recordings");
+    let fixtures = repo_root().join("tests/fixtures/audio");
+    let clip = librivox("0880");
+    let m4a = std::fs::read(fixtures.join("0880_aac.m4a")).unwrap();
+    let answer = transcribe(&s.base, TINY, &m4a, &[]);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let wav = transcribe(&s.base, TINY, &clip.bytes(), &[]).text();
+    assert_wer("0880 as M4A/AAC", &wav, answer.text().as_str(), 0.10);
+    let other = librivox("0870");
+    let mut joined = std::fs::read(lame(&other.path, &scratch.path("0870.mp3"))).unwrap();
+    joined.extend(std::fs::read(lame(&clip.path, &scratch.path("0880.mp3"))).unwrap());
+    let answer = transcribe(&s.base, TINY, &joined, &[("response_format", "verbose_json")]);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let v = answer.json();
+    let both = format!("{} {}", other.words, clip.words);
+    assert_wer("0870.mp3 + 0880.mp3", &both, v["text"].as_str().unwrap(), 0.10);
+    let duration = v["duration"].as_f64().unwrap();
+    assert!((duration - other.seconds() - clip.seconds()).abs() < 0.4, "duration {duration}");
+    let webm = std::fs::read(fixtures.join("0880_opus.webm")).unwrap();
+    let answer = transcribe(&s.base, TINY, &webm, &[]);
+    assert_eq!(answer.status, 400, "{}", answer.body);
+    assert!(answer.body.contains("WebM file's audio is encoded as Opus"), "{}", answer.body);
+}
+
+#[test]
 fn kserve_bytes_audio_gives_the_openai_text() {
     let s = Server::start("speech-kserve", &config(""), &[]);
     let scratch = Scratch::new("kserve");

@@ -23,6 +23,7 @@
 mod audio_support;
 
 use audio_support::*;
+use bytes::Bytes;
 use snooze_speech::audio::{probe, AudioLimits, SAMPLE_RATE};
 
 struct Case {
@@ -272,4 +273,67 @@ fn probe_counts_what_the_stream_yields_and_names_the_source() {
     assert_eq!((info.source.container, info.source.sample_rate, info.source.channels), ("MP3", 16_000, 1));
     let ogg = convert(&original, dir.path(), "a.ogg", &[]);
     assert_eq!(probe(read(&ogg), &AudioLimits::default()).unwrap().source.container, "OGG");
+}
+
+#[test]
+fn joined_mp3s_decode_whole() {
+    // `cat a.mp3 b.mp3`: the first file's LAME tag declares its own length only, and
+    // gapless decoding cut every frame after it, a 200 with half the speech.
+    let dir = tempdir();
+    let (a, b) = (librivox("0890"), librivox("0880"));
+    let joined: Vec<u8> =
+        [lame(&a, dir.path(), "a.mp3", &["-b", "64"]), lame(&b, dir.path(), "b.mp3", &["-b", "64"])]
+            .iter()
+            .flat_map(|p| std::fs::read(p).unwrap())
+            .collect();
+    let path = dir.path().join("joined.mp3");
+    std::fs::write(&path, joined).unwrap();
+    let (first, second) = (pcm16_samples(&a), pcm16_samples(&b));
+    let decoded = decode(&path);
+    // The first file's padding and the second's encoder delay stay in (under 0.3 s).
+    let expected = first.len() + second.len();
+    assert!(decoded.len() >= expected && decoded.len() < expected + 5_000, "{} vs {expected}", decoded.len());
+    let (snr, _) = aligned_snr_db(&first, &decoded[..first.len()], 0);
+    assert!(snr > 15.0, "the first file is still gapless: {snr:.1} dB");
+}
+
+#[test]
+fn a_wav_of_unknown_length_is_read_to_its_end() {
+    // A recorder stopped before it went back to write the lengths leaves 0 (or
+    // 0xFFFF_FFFF) in them; ffmpeg reads the data to the end of the file.
+    let clip = librivox("0880");
+    let reference = pcm16_samples(&clip);
+    let pcm: Vec<u8> = reference.iter().flat_map(|s| ((s * 32768.0) as i16).to_le_bytes()).collect();
+    for (riff, data) in [(0u32, 0u32), (36 + pcm.len() as u32, 0), (u32::MAX, u32::MAX)] {
+        let mut wav = wav_file(1, 1, 16_000, 16, &pcm);
+        wav[4..8].copy_from_slice(&riff.to_le_bytes());
+        wav[40..44].copy_from_slice(&data.to_le_bytes());
+        let info =
+            probe(Bytes::from(wav), &AudioLimits::default()).unwrap_or_else(|e| panic!("{riff} {data}: {e}"));
+        assert_eq!(info.samples, reference.len() as u64, "RIFF length {riff}, data length {data}");
+    }
+}
+
+#[test]
+fn m4a_with_aac_or_alac_is_decoded_and_opus_is_refused_by_name() {
+    // What phones' voice memos and browsers record (scripts/audio_fixtures.py made them
+    // from clip 0880).
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/audio");
+    let reference = pcm16_samples(&librivox("0880"));
+    for (file, min_snr_db) in [("0880_alac.m4a", 200.0), ("0880_aac.m4a", 10.0)] {
+        let path = fixtures.join(file);
+        let info = probe(read(&path), &AudioLimits::default()).unwrap();
+        assert_eq!((info.source.container, info.source.sample_rate), ("MP4", 16_000), "{file}");
+        let decoded = decode(&path);
+        let (snr, lag) = aligned_snr_db(&reference, &decoded, 2048);
+        println!(
+            "{file}: {} samples (original {}), SNR {snr:.1} dB at lag {lag}",
+            decoded.len(),
+            reference.len()
+        );
+        assert!(snr > min_snr_db, "{file}: SNR {snr:.1} dB at lag {lag}");
+        assert!(decoded.len().abs_diff(reference.len()) <= 2048, "{file}: {} samples", decoded.len());
+    }
+    let e = probe(read(&fixtures.join("0880_opus.webm")), &AudioLimits::default()).unwrap_err().to_string();
+    assert!(e.contains("WebM") && e.contains("Opus") && e.contains("M4A/AAC"), "{e}");
 }

@@ -2,8 +2,10 @@
 //! its length counted and limited as it goes.
 //!
 //! Symphonia finds the container by its content (no file name needed) and decodes
-//! WAV (integer, float, A-law, mu-law PCM; WAVE_FORMAT_EXTENSIBLE), FLAC, MP3 and
-//! OGG/Vorbis. Around it, this file holds the rules symphonia leaves to its caller:
+//! WAV (integer, float, A-law, mu-law PCM; WAVE_FORMAT_EXTENSIBLE), FLAC, MP3,
+//! OGG/Vorbis and MP4/M4A with AAC or ALAC (WebM/Matroska is read, but its usual codec,
+//! Opus, is not decoded: refused by name). Around it, this file holds the rules
+//! symphonia leaves to its caller:
 //!
 //! * **Counting.** Nothing is sized from a header: the duration is the number of
 //!   frames decoded so far, and `max_seconds` is checked after every packet, so an
@@ -13,11 +15,16 @@
 //!   stops making sense, or the file ends mid-frame, decoding ends there: the audio
 //!   decoded so far is kept and marked `damaged`; if nothing at all was decoded, the
 //!   upload is refused as corrupt.
+//! * **Joined MP3s.** With gapless decoding (the encoder's delay and padding cut, so
+//!   timestamps line up with the original), frames past the length the first file's
+//!   LAME tag declares are cut whole. A file or two of them is that padding; more is a
+//!   second MP3 joined after the first (`cat a.mp3 b.mp3`), decoded in full.
 //! * **Panics.** Symphonia 0.5 can panic on crafted input (arithmetic overflow,
 //!   slicing past a buffer); every call into it runs under `catch_unwind`, and a
 //!   panic is treated as corrupt data from that point on.
 
 use std::{
+    collections::VecDeque,
     io::Cursor,
     panic::{catch_unwind, AssertUnwindSafe},
 };
@@ -25,10 +32,10 @@ use std::{
 use bytes::Bytes;
 use symphonia::core::{
     audio::{AudioBuffer, AudioBufferRef, Signal},
-    codecs::{Decoder, DecoderOptions, CODEC_TYPE_NULL},
+    codecs::{CodecType, Decoder, DecoderOptions, CODEC_TYPE_NULL, CODEC_TYPE_OPUS},
     conv::IntoSample,
     errors::Error as SymphoniaError,
-    formats::{FormatOptions, FormatReader},
+    formats::{FormatOptions, FormatReader, Packet},
     io::{MediaSource, MediaSourceStream},
     meta::{Limit, MetadataOptions},
     probe::Hint,
@@ -40,6 +47,10 @@ use super::{riff, vorbis, AudioError, AudioLimits, SourceFormat, MAX_SOURCE_RATE
 /// Tags and cover art are read by symphonia while it looks for the audio; they are
 /// not used here, so each may take little memory.
 const METADATA_LIMIT_BYTES: usize = 64 * 1024;
+
+/// MP3 frames past the declared length that are still the encoder's padding (at most
+/// 4,095 samples: four frames of 1,152).
+const PADDING_FRAMES: usize = 4;
 
 /// A track being decoded, one packet per call.
 pub(crate) struct TrackDecoder {
@@ -55,6 +66,13 @@ pub(crate) struct TrackDecoder {
     skipped_packets: u64,
     pub damaged: bool,
     finished: bool,
+    /// Frames cut whole as past the declared length, held until it is clear whether
+    /// they are padding or another file (see *Joined MP3s*).
+    past_end: Vec<Packet>,
+    /// Frames to decode before reading more.
+    pending: VecDeque<Packet>,
+    /// More followed the declared length than padding can be: nothing is cut any more.
+    joined: bool,
 }
 
 /// The container, by its magic bytes, and whether they were there (an MP3 without an
@@ -64,6 +82,8 @@ fn container_of(bytes: &[u8]) -> (&'static str, bool) {
         Some(b"RIFF") => ("WAV", true),
         Some(b"fLaC") => ("FLAC", true),
         Some(b"OggS") => ("OGG", true),
+        Some([0x1A, 0x45, 0xDF, 0xA3]) => ("WebM", true),
+        _ if bytes.get(4..8) == Some(b"ftyp") => ("MP4", true),
         _ => ("MP3", bytes.starts_with(b"ID3")),
     }
 }
@@ -156,7 +176,7 @@ impl TrackDecoder {
         let codec = match (registry.get_codec(params.codec), wav_format) {
             (Some(descriptor), _) => descriptor.long_name.to_string(),
             (None, Some(wav)) => riff::format_name(wav.format_tag),
-            (None, None) => format!("codec {}", params.codec),
+            (None, None) => codec_name(params.codec),
         };
         let made = catch_unwind(AssertUnwindSafe(|| registry.make(&params, &DecoderOptions::default())))
             .map_err(|payload| AudioError::Corrupt(panic_message(payload.as_ref())))?;
@@ -187,6 +207,9 @@ impl TrackDecoder {
             skipped_packets: 0,
             damaged: truncated,
             finished: false,
+            past_end: Vec::new(),
+            pending: VecDeque::new(),
+            joined: false,
         })
     }
 
@@ -217,7 +240,10 @@ impl TrackDecoder {
 
     /// Reads and decodes one packet; an empty `mono` means nothing came out of it.
     fn step(&mut self, mono: &mut Vec<f32>) -> Result<(), AudioError> {
-        let packet = match catch_unwind(AssertUnwindSafe(|| self.format.next_packet())) {
+        if let Some(packet) = self.pending.pop_front() {
+            return self.decode(packet, mono);
+        }
+        let mut packet = match catch_unwind(AssertUnwindSafe(|| self.format.next_packet())) {
             Ok(Ok(packet)) => packet,
             Ok(Err(SymphoniaError::IoError(e))) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                 self.finished = true;
@@ -234,6 +260,23 @@ impl TrackDecoder {
         if packet.track_id() != self.track_id {
             return Ok(());
         }
+        if packet.dur == 0 && packet.trim_end > 0 && !self.joined {
+            // Past the declared length: padding, or another file (see *Joined MP3s*).
+            self.past_end.push(packet);
+            if self.past_end.len() > PADDING_FRAMES {
+                self.joined = true;
+                self.pending.extend(self.past_end.drain(..).map(uncut));
+            }
+            return Ok(());
+        }
+        if self.joined {
+            packet = uncut(packet);
+        }
+        self.decode(packet, mono)
+    }
+
+    /// Decodes one packet into `mono`; an empty `mono` means nothing came out of it.
+    fn decode(&mut self, packet: Packet, mono: &mut Vec<f32>) -> Result<(), AudioError> {
         let decoder = &mut self.decoder;
         let decoded = catch_unwind(AssertUnwindSafe(|| match decoder.decode(&packet) {
             Ok(buffer) => Ok((buffer.spec().rate, buffer.spec().channels.count(), downmix(buffer, mono))),
@@ -303,6 +346,21 @@ impl TrackDecoder {
         self.damaged = true;
         self.finished = true;
         Ok(())
+    }
+}
+
+/// A packet decoded whole: none of its frames cut as padding.
+fn uncut(mut packet: Packet) -> Packet {
+    packet.dur += u64::from(packet.trim_end);
+    packet.trim_end = 0;
+    packet
+}
+
+/// A codec symphonia knows by number but cannot decode here, by its name.
+fn codec_name(codec: CodecType) -> String {
+    match codec {
+        CODEC_TYPE_OPUS => "Opus".into(),
+        other => format!("codec {other}"),
     }
 }
 

@@ -143,6 +143,9 @@ pub(crate) fn check(bytes: &Bytes) -> Result<CheckedWav, AudioError> {
             let Some(format) = format else {
                 return Err(corrupt("the WAV 'data' chunk comes before any 'fmt ' chunk"));
             };
+            // 0 is what a recorder stopped before it went back to write the length
+            // leaves (as 0xFFFF_FFFF is): the data runs to the end, as ffmpeg reads it.
+            let declared = if declared == 0 { available } else { declared };
             let truncated = declared > available;
             let mut length = declared.min(available);
             if is_pcm(format.format_tag) {

@@ -1,0 +1,53 @@
+"""Writes tests/fixtures/audio/: LibriVox clip 0880 (pocketsphinx-testdata, public domain)
+in the containers and codecs no Debian tool of `make system-packages` writes —
+M4A/AAC and M4A/ALAC, which the server decodes, and WebM/Opus, which it refuses by name.
+
+Needs PyAV (`pip install av==18.1.0` in a scratch venv; not a dependency of the project,
+whose tests read the files committed):
+
+    /tmp/av-venv/bin/python scripts/audio_fixtures.py
+"""
+
+import os
+import sys
+import wave
+
+import av
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLIP = "/usr/share/pocketsphinx/test/data/librivox/sense_and_sensibility_01_austen_64kb-0880.wav"
+OUT = os.path.join(ROOT, "tests", "fixtures", "audio")
+
+
+def encode(samples, rate, path, container, codec, sample_fmt, bit_rate=None):
+    with av.open(path, "w", format=container) as out:
+        stream = out.add_stream(codec, rate=rate, layout="mono")
+        if bit_rate:
+            stream.bit_rate = bit_rate
+        frame_size = 1024
+        for start in range(0, len(samples), frame_size):
+            chunk = samples[start:start + frame_size]
+            frame = av.AudioFrame.from_ndarray(chunk.reshape(1, -1), format="s16", layout="mono")
+            frame.sample_rate = rate
+            frame.pts = start
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+
+
+def main():
+    with wave.open(CLIP) as w:
+        rate = w.getframerate()
+        samples = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").copy()
+    os.makedirs(OUT, exist_ok=True)
+    encode(samples, rate, os.path.join(OUT, "0880_aac.m4a"), "ipod", "aac", "fltp", 64000)
+    encode(samples, rate, os.path.join(OUT, "0880_alac.m4a"), "ipod", "alac", "s16p")
+    encode(samples, rate, os.path.join(OUT, "0880_opus.webm"), "webm", "libopus", "s16", 24000)
+    for name in sorted(os.listdir(OUT)):
+        print(name, os.path.getsize(os.path.join(OUT, name)))
+
+
+if __name__ == "__main__":
+    main()
