@@ -499,31 +499,43 @@ fn malformed_requests_get_the_right_4xx_and_the_server_keeps_serving() {
 fn requests_past_the_request_memory_budget_wait_their_turn_with_503() {
     let s = Server::start("hostile-inflight", &config(), &[]);
     let addr = s.base.trim_start_matches("http://").to_string();
-    // Three uploads that declare 1 MiB each and stall: the 3 MiB budget is taken.
-    let stalled: Vec<TcpStream> = (0..3)
+    let r = reference("mlp-10m");
+    let in_flight =
+        |s: &Server| s.get_with_token("/admin/memory/stats", TOKEN)["requests_in_flight"]["bytes"].as_u64();
+    // Uploads declaring 1 MiB each that send nothing hold nothing: a budget charged by
+    // what clients declare let 39 such connections shut every upload out for 30 s.
+    let head = format!(
+        "POST /v2/models/mlp-10m/infer HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        1 << 20
+    );
+    let idle: Vec<TcpStream> = (0..6)
         .map(|_| {
             let mut c = TcpStream::connect(&addr).expect("connect");
-            let head = format!(
-                "POST /v2/models/mlp-10m/infer HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{{",
-                1 << 20
-            );
             c.write_all(head.as_bytes()).expect("write");
             c
         })
         .collect();
-    s.wait_for("the uploads to be charged", |s| {
-        s.get_with_token("/admin/memory/stats", TOKEN)["requests_in_flight"]["bytes"].as_u64()
-            == Some(3 << 20)
-    });
-    let r = reference("mlp-10m");
+    let (status, body, _) = s.post("/v2/models/mlp-10m/infer", &infer_body(&r));
+    assert_eq!(status, 200, "declared bytes that never came hold no budget: {body}");
+    assert_eq!(in_flight(&s), Some(0));
+    drop(idle);
+    // Three uploads that send all but their last byte and stall: the 3 MiB budget is
+    // held by the bytes that arrived.
+    let stalled: Vec<TcpStream> = (0..3)
+        .map(|_| {
+            let mut c = TcpStream::connect(&addr).expect("connect");
+            c.write_all(head.as_bytes()).expect("write");
+            c.write_all(&vec![b' '; (1 << 20) - 1]).expect("write");
+            c
+        })
+        .collect();
+    s.wait_for("the uploads to be charged", |s| in_flight(s) == Some(3 * ((1 << 20) - 1)));
     let (status, body, retry) = s.post("/v2/models/mlp-10m/infer", &infer_body(&r));
     assert_eq!(status, 503, "{body}");
     assert!(
         retry.is_some() && body["error"].as_str().is_some_and(|m| m.contains("max_inflight_request_bytes"))
     );
     drop(stalled);
-    s.wait_for("the stalled uploads to be given back", |s| {
-        s.get_with_token("/admin/memory/stats", TOKEN)["requests_in_flight"]["bytes"].as_u64() == Some(0)
-    });
+    s.wait_for("the stalled uploads to be given back", |s| in_flight(s) == Some(0));
     assert_eq!(s.post("/v2/models/mlp-10m/infer", &infer_body(&r)).0, 200);
 }

@@ -56,11 +56,10 @@ impl Charge {
         self.bytes
     }
 
-    /// Charges `more` bytes, or refuses: 413 when the request alone could never fit the
-    /// budget, 503 + Retry-After when the requests in flight leave no room now.
-    pub fn grow(&mut self, more: u64) -> Result<(), SnoozeError> {
-        let limit = self.pool.limit;
-        let mine = self.bytes.saturating_add(more);
+    /// 413 when `more` bytes on top of this charge could never fit the budget, even
+    /// alone; charges nothing.
+    pub fn could_fit(&self, more: u64) -> Result<(), SnoozeError> {
+        let (limit, mine) = (self.pool.limit, self.bytes.saturating_add(more));
         if mine > limit {
             return Err(SnoozeError::new(
                 ErrorKind::PayloadTooLarge,
@@ -71,6 +70,15 @@ impl Charge {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// Charges `more` bytes, or refuses: 413 when the request alone could never fit the
+    /// budget, 503 + Retry-After when the requests in flight leave no room now.
+    pub fn grow(&mut self, more: u64) -> Result<(), SnoozeError> {
+        self.could_fit(more)?;
+        let limit = self.pool.limit;
+        let mine = self.bytes.saturating_add(more);
         let taken = self.pool.used.fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
             used.checked_add(more).filter(|total| *total <= limit)
         });

@@ -1,7 +1,7 @@
 //! Reading a request body without trusting the client: refused by `Content-Length`
-//! before a byte is read when it declares too much, cut off when it sends too slowly,
-//! and charged to the request-memory budget as it arrives — never allocated by a
-//! number the client declared.
+//! before a byte is read when it declares more than could ever fit, cut off when it
+//! sends too slowly, and charged to the request-memory budget as it arrives — never
+//! allocated or charged by a number the client declared.
 
 use axum::{
     body::{Body, Bytes},
@@ -46,8 +46,9 @@ pub async fn read_body(
         if n > limit {
             return Err(too_large(state, limit, &format!("({})", fb(n))));
         }
-        // Charged up front: what a client says it will send is what it may hold.
-        charge.grow(n)?;
+        // Refused at once if it could never fit; charged as it arrives, never by the
+        // number: connections that declare much and send nothing hold nothing.
+        charge.could_fit(n)?;
     }
     let timeout = state.settings.body_read_timeout;
     let deadline = tokio::time::Instant::now() + timeout;
@@ -77,9 +78,7 @@ pub async fn read_body(
         if total > limit {
             return Err(too_large(state, limit, "(sent without a Content-Length)"));
         }
-        if declared.is_none() {
-            charge.grow(data.len() as u64)?;
-        }
+        charge.grow(data.len() as u64)?;
         chunks.push(data);
     }
     Ok(match chunks.len() {
