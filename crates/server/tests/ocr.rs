@@ -394,7 +394,7 @@ fn a_long_pdf_is_read_in_page_batches_whose_memory_does_not_grow_with_its_length
     let page = |i: usize| format!("Page {i} of the annual report");
     let document = |n: usize| pdf::one_line_per_page(&(1..=n).map(page).collect::<Vec<_>>(), 360, 360);
     let read = |n: usize| {
-        let (status, body) = ocr(&server, document(n), "report.pdf", &[("use_cls", "false")]);
+        let (status, body) = ocr(&server, document(n), "report.pdf", &[("use_cls", "False")]);
         assert_eq!(status, 200, "{body}");
         let pages = body["pages"].as_array().unwrap().clone();
         assert_eq!(pages.len(), n);

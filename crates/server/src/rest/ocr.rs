@@ -120,7 +120,8 @@ fn set_option(
         }
         "pipeline" | "model" => *pipeline = Some(text.to_string()),
         "use_cls" => {
-            request.use_cls = Some(match text {
+            // Any case: Python's `requests` sends `data={"use_cls": False}` as "False".
+            request.use_cls = Some(match text.to_ascii_lowercase().as_str() {
                 "true" | "1" => true,
                 "false" | "0" => false,
                 _ => return Err(bad("use_cls", format!("use_cls '{text}' is not true or false"))),
