@@ -315,7 +315,7 @@ fn remember_source(onnx: &Path, cache_dir: &Path, runtime: &Path) {
 
 /// Removes the entries (ORT format, mapped and prepacked copies) of every model file version
 /// that was replaced: its `.source` names a file that is still there with another
-/// fingerprint (size and modification time), so no process can ask for these copies again
+/// fingerprint (size, modification time, sampled bytes), so no process can ask for these copies again
 /// — every lookup hashes the file as it is now. An update of a model would otherwise leave
 /// up to 4x its size on disk for good. Entries whose file is gone stay (another process
 /// may see it where this one does not: a mount of its own), as do entries of other
@@ -379,7 +379,7 @@ fn cache_name(onnx: &Path, runtime: &Path) -> String {
     format!("{}.ort", cache_stem(onnx, runtime))
 }
 
-/// `<stem>-<hash>`: the hash covers the files' fingerprint (size and modification time
+/// `<stem>-<hash>`: the hash covers the files' fingerprint (size, modification time and sampled bytes
 /// of the model and its external data), its path and the runtime library.
 fn cache_stem(onnx: &Path, runtime: &Path) -> String {
     stem_of(onnx, &model_fingerprint(onnx), runtime)

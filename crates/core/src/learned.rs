@@ -98,12 +98,24 @@ impl FootprintStore {
     }
 }
 
-/// Identifies a model's files: their total size and newest modification time.
+/// What a learned footprint is kept under: the model's files ([`fingerprint`]) and the
+/// way its weights are held (each has its own footprint to learn).
+pub fn model_fingerprint(path: &Path, weights: crate::backend::Weights) -> String {
+    format!("{}|weights={}", fingerprint(path), weights.as_str())
+}
+
+/// Identifies a model's files: their total size, newest modification time, and a hash
+/// of a sample of their bytes ([`sample_hash`]): a retrained model of the same
+/// architecture has the same size, and `cp -p`, `rsync -a`, `tar x` and image layers
+/// keep modification times, so those two alone took a new version for the old one (its
+/// cached copies served the old weights).
 pub fn fingerprint(path: &Path) -> String {
-    let (mut bytes, mut newest) = (0u64, 0u64);
+    let (mut bytes, mut newest, mut sampled) = (0u64, 0u64, 0u64);
     let mut visit = |p: &Path| {
         if let Ok(m) = fs::metadata(p) {
             if m.is_file() {
+                // Summed: the order files are listed in does not matter.
+                sampled = sampled.wrapping_add(sample_hash(p, m.len()));
                 bytes += m.len();
                 let t = m
                     .modified()
@@ -126,7 +138,36 @@ pub fn fingerprint(path: &Path) -> String {
         }
         Err(_) => visit(path),
     }
-    format!("{bytes}:{newest}")
+    format!("{bytes}:{newest}:{sampled:016x}")
+}
+
+/// Blocks read from each file by [`sample_hash`], and their size: eight 4 KiB reads,
+/// spread from the first byte to the last (the weights of a new version differ all
+/// through; a header alone may not).
+const SAMPLES: u64 = 8;
+const SAMPLE_BYTES: usize = 4096;
+
+/// FNV-1a over the file's name and its sampled blocks (stable across builds, unlike
+/// the standard library's hasher).
+fn sample_hash(path: &Path, len: u64) -> u64 {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut feed = |bytes: &[u8]| {
+        for b in bytes {
+            h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    feed(path.file_name().map_or(&[][..], |n| n.as_encoded_bytes()));
+    let Ok(mut file) = fs::File::open(path) else { return h };
+    let mut block = vec![0u8; SAMPLE_BYTES];
+    let span = len.saturating_sub(SAMPLE_BYTES as u64);
+    for k in 0..SAMPLES {
+        let at = span * k / (SAMPLES - 1);
+        let Ok(_) = file.seek(SeekFrom::Start(at)) else { break };
+        let Ok(n) = file.read(&mut block) else { break };
+        feed(&block[..n]);
+    }
+    h
 }
 
 pub fn unix_now() -> u64 {
@@ -152,6 +193,14 @@ mod tests {
             peak_bytes: Some(150),
             measured_at: 1,
         };
+        // The same size and modification time, other bytes: another version.
+        let mtime = fs::metadata(&model).unwrap().modified().unwrap();
+        fs::write(&model, b"abd").unwrap();
+        fs::File::options().write(true).open(&model).unwrap().set_modified(mtime).unwrap();
+        assert_ne!(fingerprint(&model), fp, "a retrained model of the same size, copied with cp -p");
+        fs::write(&model, b"abc").unwrap();
+        fs::File::options().write(true).open(&model).unwrap().set_modified(mtime).unwrap();
+        assert_eq!(fingerprint(&model), fp);
         FootprintStore::open(&dir.join("state")).record("m", learned.clone());
         let reopened = FootprintStore::open(&dir.join("state"));
         assert_eq!(reopened.get("m", &fp), Some(learned.clone()));

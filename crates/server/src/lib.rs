@@ -248,12 +248,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
             path: m.path.clone(),
             signature,
             preload: m.preload,
-            // Each way of holding the weights has its own footprint to learn.
-            fingerprint: format!(
-                "{}|weights={}",
-                snooze_core::learned::fingerprint(&m.path),
-                weights.as_str()
-            ),
+            fingerprint: snooze_core::learned::model_fingerprint(&m.path, weights),
             weights,
             batch_dependent,
         });

@@ -64,6 +64,29 @@ impl Scheduler {
         self.slots[model].preparations = preparations;
     }
 
+    /// The model's files were replaced (a new version copied over the old one): what
+    /// was estimated, measured or learned of the old files no longer holds. Its next
+    /// load is admitted by `estimate` (or `learned`: a figure kept for these very files)
+    /// and its preparations start over (the cache is keyed by file version).
+    pub fn files_replaced(
+        &mut self,
+        model: ModelId,
+        estimate: (Option<u64>, Option<u64>),
+        learned: (Option<u64>, Option<u64>),
+        preparations: Vec<Preparation>,
+    ) {
+        let s = &mut self.slots[model];
+        (s.policy.estimate_steady, s.policy.estimate_peak) = estimate;
+        (s.learned_bytes, s.learned_peak_bytes) = learned;
+        (s.measured_bytes, s.measured_peak_bytes) = (None, None);
+        s.last_error = None;
+        s.preparations = preparations;
+        // A load that failed on the old files says nothing of the new ones.
+        if matches!(s.state, SlotState::Failed { .. }) {
+            s.state = SlotState::Unloaded;
+        }
+    }
+
     /// Starts the next preparation if it is due (a quiet host, or a model that churns)
     /// and it fits — for a model that churns, once idle models are evicted for it.
     pub(super) fn plan_preparation(&mut self) {

@@ -333,6 +333,11 @@ impl ModelSlot {
         matches!(self.state, SlotState::Ready { .. })
     }
 
+    /// Not in memory, nor on its way in or out (a failed load included).
+    pub fn is_unloaded(&self) -> bool {
+        matches!(self.state, SlotState::Unloaded | SlotState::Failed { .. })
+    }
+
     /// Ready, but nothing more may be dispatched to it — except, before an asked-for
     /// unload, the slices of task jobs already started.
     pub(super) fn closed(&self) -> bool {

@@ -7,7 +7,7 @@
 use std::{
     collections::HashMap,
     path::PathBuf,
-    sync::{Arc, Mutex},
+    sync::{Arc, Mutex, RwLock},
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
@@ -26,6 +26,7 @@ use crate::{
     },
     memory::{MemoryProbe, MemorySnapshot},
     pressure::{MemoryReading, PressureLevel, PressureState, Thresholds},
+    tensor::ModelSignature,
     units::format_bytes,
 };
 
@@ -33,6 +34,8 @@ pub(super) struct Actor {
     pub(super) scheduler: Scheduler,
     pub(super) backends: Vec<(Arc<dyn Backend>, PathBuf, Weights)>,
     pub(super) fingerprints: Vec<String>,
+    /// What the transports see of each model's signature (see `refresh_files`).
+    pub(super) signatures: Vec<Arc<RwLock<Result<ModelSignature, String>>>>,
     pub(super) store: Option<Arc<FootprintStore>>,
     pub(super) loaded: HashMap<ModelId, Loaded>,
     pub(super) audit: Arc<Mutex<UnloadAudit>>,
@@ -153,6 +156,46 @@ impl Actor {
         self.gpu_probes.iter().find(|(d, _)| d == device).map(|(_, p)| p.clone())
     }
 
+    /// A model not in memory whose files were replaced since they were read (a new
+    /// version copied over the old, then an unload) is read again before it loads: its
+    /// signature (what requests are checked against), its estimate, its preparations;
+    /// what was measured on the old files is dropped. Costs a few `stat` calls.
+    fn refresh_files(&mut self, model: ModelId) {
+        if self.loaded.contains_key(&model) || !self.scheduler.slot(model).is_unloaded() {
+            return;
+        }
+        let (backend, path, weights) = &self.backends[model];
+        let now = crate::learned::model_fingerprint(path, *weights);
+        if now == self.fingerprints[model] {
+            return;
+        }
+        let slot = self.scheduler.slot(model);
+        let name = slot.policy.name.clone();
+        let signature = backend.signature(path).map_err(|e| e.to_string());
+        let estimate = backend.estimate(path, *weights);
+        let learned = self
+            .store
+            .as_ref()
+            .and_then(|s| s.get(&name, &now))
+            .map_or((None, None), |l| (l.steady_bytes, l.peak_bytes));
+        let preparations = super::preparations(&**backend, path, *weights, slot.policy.promotable);
+        tracing::info!(
+            model = %name,
+            estimate = ?estimate.steady_bytes,
+            readable = signature.is_ok(),
+            "the model's files changed since they were read: their signature and estimate are read again"
+        );
+        self.scheduler.files_replaced(
+            model,
+            (estimate.steady_bytes, estimate.peak_bytes),
+            learned,
+            preparations,
+        );
+        self.scheduler.observe_files(model, signature.as_ref().err().cloned());
+        *self.signatures[model].write().unwrap_or_else(|p| p.into_inner()) = signature;
+        self.fingerprints[model] = now;
+    }
+
     /// A model whose files were unreadable is checked again on each request (cheap:
     /// only the header is parsed), so a fixed file is picked up without a restart.
     fn recheck_files(&mut self, model: ModelId) {
@@ -186,6 +229,7 @@ impl Actor {
     fn command(&mut self, cmd: Command) -> Vec<Action> {
         let event = match cmd {
             Command::Submit { sub, job } => {
+                self.refresh_files(sub.model);
                 self.recheck_files(sub.model);
                 if !self.scheduler.slot(sub.model).is_ready() {
                     self.refresh_probe();
@@ -194,6 +238,7 @@ impl Actor {
                 Event::Submit(sub)
             }
             Command::Load { req, model, reply } => {
+                self.refresh_files(model);
                 self.recheck_files(model);
                 self.refresh_probe();
                 self.replies.insert(req, reply);

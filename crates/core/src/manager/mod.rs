@@ -10,10 +10,10 @@
 
 use std::{
     collections::HashMap,
-    path::PathBuf,
+    path::{Path, PathBuf},
     sync::{
         atomic::{AtomicU64, Ordering},
-        Arc, Mutex,
+        Arc, Mutex, RwLock,
     },
     time::{Duration, Instant},
 };
@@ -84,12 +84,42 @@ pub struct ModelInfo {
     pub backend: &'static str,
     pub task: Task,
     pub path: PathBuf,
-    pub signature: Result<ModelSignature, String>,
+    /// Read from the files at start, and again when they were replaced (see
+    /// [`ModelInfo::signature`]).
+    signature: Arc<RwLock<Result<ModelSignature, String>>>,
     /// Requests may share a run (the batch dimension is dynamic, `max_batch_size > 1` and
     /// the answers do not depend on the batch).
     pub batchable: bool,
     /// How its weights are held.
     pub weights: Weights,
+}
+
+impl ModelInfo {
+    pub fn new(
+        name: String,
+        backend: &'static str,
+        task: Task,
+        path: PathBuf,
+        signature: Result<ModelSignature, String>,
+        batchable: bool,
+        weights: Weights,
+    ) -> ModelInfo {
+        ModelInfo {
+            name,
+            backend,
+            task,
+            path,
+            signature: Arc::new(RwLock::new(signature)),
+            batchable,
+            weights,
+        }
+    }
+
+    /// The model's inputs and outputs as its files declare them (`Err`: they cannot be
+    /// read); read again before a load when the files were replaced since.
+    pub fn signature(&self) -> Result<ModelSignature, String> {
+        self.signature.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
 }
 
 /// What a garbage collection did.
@@ -224,6 +254,7 @@ impl ModelManager {
         let mut infos = Vec::new();
         let mut backends = Vec::new();
         let mut fingerprints = Vec::new();
+        let mut signatures = Vec::new();
         let mut preload = Vec::new();
         for entry in config.models {
             let batchable =
@@ -239,20 +270,25 @@ impl ModelManager {
                 scheduler.set_learned(id, l.steady_bytes, l.peak_bytes);
             }
             scheduler.observe_files(id, entry.signature.as_ref().err().cloned());
-            scheduler.set_preparations(id, preparations(&entry));
+            scheduler.set_preparations(
+                id,
+                preparations(&*entry.backend, &entry.path, entry.weights, entry.policy.promotable),
+            );
             fingerprints.push(entry.fingerprint.clone());
             if entry.preload {
                 preload.push(id);
             }
-            infos.push(ModelInfo {
-                name: entry.policy.name.clone(),
-                backend: entry.backend.name(),
-                task: entry.backend.task(&entry.path),
-                path: entry.path.clone(),
-                signature: entry.signature,
-                batchable: batchable && !entry.batch_dependent,
-                weights: entry.weights,
-            });
+            let info = ModelInfo::new(
+                entry.policy.name.clone(),
+                entry.backend.name(),
+                entry.backend.task(&entry.path),
+                entry.path.clone(),
+                entry.signature,
+                batchable && !entry.batch_dependent,
+                entry.weights,
+            );
+            signatures.push(info.signature.clone());
+            infos.push(info);
             backends.push((entry.backend, entry.path, entry.weights));
         }
         let names = infos.iter().enumerate().map(|(i, m)| (m.name.clone(), i)).collect();
@@ -268,6 +304,7 @@ impl ModelManager {
             scheduler,
             backends,
             fingerprints,
+            signatures,
             store: config.store,
             loaded: HashMap::new(),
             jobs: HashMap::new(),
@@ -525,18 +562,23 @@ impl ModelManager {
 
 /// The one-time preparations a model's loads would gain from: its own form's, and the
 /// prepacked copy a promotion loads.
-fn preparations(entry: &ModelEntry) -> Vec<Preparation> {
-    let mut forms = vec![entry.weights];
-    if entry.policy.promotable && entry.weights != Weights::Prepacked {
+pub(super) fn preparations(
+    backend: &dyn Backend,
+    path: &Path,
+    loads_in: Weights,
+    promotable: bool,
+) -> Vec<Preparation> {
+    let mut forms = vec![loads_in];
+    if promotable && loads_in != Weights::Prepacked {
         forms.push(Weights::Prepacked);
     }
     forms
         .into_iter()
         .filter_map(|weights| {
-            entry.backend.preparation(&entry.path, weights).map(|peak| Preparation {
+            backend.preparation(path, weights).map(|peak| Preparation {
                 weights,
                 peak,
-                loads_in: weights == entry.weights,
+                loads_in: weights == loads_in,
             })
         })
         .collect()

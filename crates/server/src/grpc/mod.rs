@@ -154,7 +154,8 @@ impl Service {
         let size = req.extensions().get::<limit::MessageSize>().map_or(0, |s| s.0);
         charge.grow(size)?;
         let req = req.into_inner();
-        let sig = info.signature.as_ref().ok();
+        let sig = info.signature();
+        let sig = sig.as_ref().ok();
         let requested: Vec<String> = req.outputs.iter().map(|o| o.name.clone()).collect();
         inference::check_requested_outputs(sig, &info.name, requested.iter().map(String::as_str))?;
         let inputs = tensors::decode_inputs(state, info, req.inputs, req.raw_input_contents)?;
@@ -212,7 +213,8 @@ impl GrpcInferenceService for Service {
     ) -> Result<Response<ModelMetadataResponse>, Status> {
         let req = req.into_inner();
         let info = self.state.model(&req.name, Some(&req.version)).map_err(fail)?;
-        let sig = info.signature.as_ref().map_err(|e| {
+        let sig = info.signature();
+        let sig = sig.as_ref().map_err(|e| {
             fail(SnoozeError::new(ErrorKind::ModelFailed, format!("cannot read model '{}': {e}", info.name)))
         })?;
         let specs = |v: &[snooze_core::TensorSpec]| {

@@ -83,7 +83,8 @@ pub(super) fn decode_inputs(
     inputs: Vec<InferInputTensor>,
     raw: Vec<Vec<u8>>,
 ) -> Result<Vec<Tensor>, SnoozeError> {
-    let sig = info.signature.as_ref().ok();
+    let sig = info.signature();
+    let sig = sig.as_ref().ok();
     let model = info.name.as_str();
     if !raw.is_empty() && raw.len() != inputs.len() {
         return Err(SnoozeError::invalid(format!(

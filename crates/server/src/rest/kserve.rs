@@ -69,7 +69,8 @@ async fn server_metadata() -> Response {
 }
 
 fn metadata(info: &ModelInfo) -> Result<Response, AppError> {
-    let sig = info.signature.as_ref().map_err(|e| {
+    let sig = info.signature();
+    let sig = sig.as_ref().map_err(|e| {
         SnoozeError::new(ErrorKind::ModelFailed, format!("cannot read model '{}': {e}", info.name))
     })?;
     let specs = |v: &[snooze_core::TensorSpec]| {
@@ -183,7 +184,8 @@ async fn infer_once(
     })?;
     // A model whose files could not be read is checked structurally only: its load
     // then fails with the reason, which is the clearer error.
-    let sig = info.signature.as_ref().ok();
+    let sig = info.signature();
+    let sig = sig.as_ref().ok();
     let plans = decode::plan_inputs(&req, binary.len(), sig, name)?;
     for p in &plans {
         inference::check_text_count(state, info, p.name, p.count)?;

@@ -427,7 +427,7 @@ async fn embed_once(
     };
     // The vector width is in the signature: a `dimensions` no vector can have is refused
     // before any work.
-    let width = info.signature.as_ref().ok().and_then(|s| s.outputs.first()?.shape.get(1).copied());
+    let width = info.signature().ok().and_then(|s| s.outputs.first()?.shape.get(1).copied());
     if let (Some(d), Some(w)) = (dimensions, width.filter(|w| *w > 0)) {
         if d as i64 > w {
             return Err(invalid("dimensions", format!("dimensions {d} is more than the model's {w}")));

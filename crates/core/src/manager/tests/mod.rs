@@ -215,7 +215,11 @@ fn setup_full(
                 path: PathBuf::from("/nowhere"),
                 signature: Ok(batch_signature()),
                 preload: false,
-                fingerprint: String::new(),
+                // What the files at the path say (none): the files never change.
+                fingerprint: crate::learned::model_fingerprint(
+                    std::path::Path::new("/nowhere"),
+                    crate::Weights::Prepacked,
+                ),
                 weights: crate::Weights::Prepacked,
                 batch_dependent: false,
             }
@@ -539,7 +543,10 @@ async fn a_full_gpu_falls_back_to_the_cpu_by_the_probe() {
         path: PathBuf::from("/nowhere"),
         signature: Ok(batch_signature()),
         preload: false,
-        fingerprint: String::new(),
+        fingerprint: crate::learned::model_fingerprint(
+            std::path::Path::new("/nowhere"),
+            crate::Weights::Prepacked,
+        ),
         weights: crate::Weights::Prepacked,
         batch_dependent: false,
     };

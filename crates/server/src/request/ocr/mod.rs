@@ -115,8 +115,7 @@ fn stages_fit(s: &PipelineSettings, models: &[ModelInfo]) -> Result<(), String> 
     ];
     for (key, name, rank, role) in stages {
         let Some(name) = name else { continue };
-        let Some(Ok(signature)) = models.iter().find(|m| &m.name == name).map(|m| m.signature.as_ref())
-        else {
+        let Some(Ok(signature)) = models.iter().find(|m| &m.name == name).map(|m| m.signature()) else {
             continue;
         };
         if let Some(out) = signature.outputs.first().filter(|o| o.shape.len() != rank) {
@@ -420,19 +419,19 @@ mod tests {
             datatype: DataType::Fp32,
             shape: shape.to_vec(),
         };
-        ModelInfo {
-            name: name.into(),
-            backend: "onnx",
-            task: snooze_core::Task::Tensor,
-            path: "/nowhere".into(),
-            signature: Ok(ModelSignature {
+        ModelInfo::new(
+            name.into(),
+            "onnx",
+            snooze_core::Task::Tensor,
+            "/nowhere".into(),
+            Ok(ModelSignature {
                 platform: "onnxruntime_onnx".into(),
                 inputs: vec![spec("x", &[-1, 3, -1, -1])],
                 outputs: vec![spec("y", output)],
             }),
-            batchable: true,
-            weights: Weights::Prepacked,
-        }
+            true,
+            Weights::Prepacked,
+        )
     }
 
     #[test]
