@@ -118,8 +118,14 @@ impl PdfDocument {
         let plan = self.plan(index, limits)?;
         let pages = self.pdf.pages();
         let page = &pages[index];
-        let scale = plan.dpi / 72.0;
-        let settings = PixmapSettings { x_scale: scale, y_scale: scale, bg_color: WHITE };
+        // The rasteriser truncates `points x scale` in f32: Letter at 150 DPI, 1650 px
+        // exactly, came out 1649. A quarter pixel more lands every side on the size planned.
+        let (w_pt, h_pt) = page.render_dimensions();
+        let settings = PixmapSettings {
+            x_scale: (plan.width as f32 + 0.25) / w_pt,
+            y_scale: (plan.height as f32 + 0.25) / h_pt,
+            bg_color: WHITE,
+        };
         let rendered = catch_unwind(AssertUnwindSafe(|| {
             let cache = RenderCache::new();
             hayro::render(
@@ -208,6 +214,27 @@ mod tests {
         let strip = plan_render(0, 100_000.0, 100.0, &limits).unwrap();
         assert_eq!((strip.width, strip.height), (65_535, 65), "{strip:?}");
         assert!(plan_render(0, 1e12, 1e-6, &limits).is_err());
+    }
+
+    #[test]
+    fn a_page_renders_at_the_size_its_dpi_gives() {
+        // The fixture's A4 page turned into a Letter page (the box has as many digits).
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/ocr_pages/text.pdf");
+        let a4 = std::fs::read(path).unwrap();
+        let at = a4.windows(7).position(|w| w == b"595 842").unwrap();
+        let mut letter = a4.clone();
+        letter[at..at + 7].copy_from_slice(b"612 792");
+        for (bytes, dpi, size) in [
+            (&letter, 150.0, (1275, 1650)),
+            (&letter, 200.0, (1700, 2200)),
+            (&letter, 72.0, (612, 792)),
+            (&a4, 150.0, (1239, 1754)),
+        ] {
+            let doc = PdfDocument::open(bytes.clone()).unwrap();
+            let limits = InputLimits { pdf_dpi: dpi, ..InputLimits::default() };
+            let page = doc.render_page(0, &limits).unwrap();
+            assert_eq!((page.image.width(), page.image.height()), size, "{dpi} DPI");
+        }
     }
 
     #[test]
