@@ -11,8 +11,9 @@ use snooze_server::{
 
 /// SnoozeML: serve many ML models from a machine that cannot hold them all at once.
 ///
-/// Models load on their first request, stay while used, unload when idle, and the
-/// least-recently-used idle model is evicted when memory is needed; a request that
+/// Models load on their first request, stay while used, unload when idle, and the idle
+/// model worth least (rarely asked for, cheap to bring back, large) is evicted when
+/// memory is needed; a request that
 /// cannot get memory gets 503 with Retry-After instead of the process dying.
 #[derive(Parser)]
 #[command(name = "snooze", version, propagate_version = true)]
@@ -59,6 +60,7 @@ enum Command {
     /// Takes `serve`'s flags and `SNOOZE_*` variables, and checks what `serve` would use.
     Check {
         /// The snooze.toml to check.
+        #[arg(env = "SNOOZE_CONFIG")]
         config: PathBuf,
         /// Also resolve this model repository, like `serve --model-dir`.
         #[arg(long, env = "SNOOZE_MODEL_DIR", value_name = "DIR")]

@@ -79,6 +79,10 @@ fn check_sees_what_serve_would_and_paths_follow_where_they_were_given() {
     let out = snooze().arg("check").arg(&good).args(["--min-residency", "never"]).output().expect("run");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("(from flag --min-residency)"), "{err}");
+    // The file itself from SNOOZE_CONFIG, as `serve` takes it.
+    let out = snooze().arg("check").env("SNOOZE_CONFIG", &good).output().expect("run");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("seen.toml: ok"));
     let empty = write("sub/empty.toml", "");
     let out = snooze().arg("check").arg(&empty).output().expect("run");
     assert!(String::from_utf8_lossy(&out.stdout).contains("warning:  no models"));

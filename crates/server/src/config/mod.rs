@@ -27,6 +27,24 @@ pub use settings::{
 /// The config served when no file is given: the demo models `make prepare` builds.
 pub const DEFAULT_CONFIG: &str = include_str!("../default.toml");
 
+/// HTTP and gRPC on one port (the second listener would fail to start, blaming its
+/// address as taken); port 0 (any free port) never clashes.
+fn listeners_apart(http: &str, grpc: &str) -> Result<(), ConfigError> {
+    let (Ok(h), Ok(g)) = (http.parse::<std::net::SocketAddr>(), grpc.parse::<std::net::SocketAddr>()) else {
+        return Ok(());
+    };
+    let same_host = h.ip() == g.ip() || h.ip().is_unspecified() || g.ip().is_unspecified();
+    if h.port() != 0 && h.port() == g.port() && same_host {
+        return Err(err(
+            "[server] grpc_address",
+            format!(
+                "{grpc} takes the port of http_address ({http}): each listener needs its own (or \"off\")"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// The file as written.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -114,7 +132,24 @@ pub fn resolve(
     }
     let mut server = ServerSettings::from_layers(s)?;
     server.thresholds().validate().map_err(|e| err("[server] memory_*_threshold", e))?;
+    listeners_apart(&server.http_address, &server.grpc_address)?;
+    if let MemoryLimit::Size(snooze_core::units::MemorySize::Bytes(limit)) = server.host_memory_limit {
+        if server.headroom >= limit {
+            let (h, l) =
+                (snooze_core::units::format_bytes(server.headroom), snooze_core::units::format_bytes(limit));
+            return Err(err(
+                "[server] headroom",
+                format!("{h} leaves nothing of host_memory_limit ({l}) for models"),
+            ));
+        }
+    }
     server.state_dir = base.join(&server.state_dir);
+    if server.state_dir.is_file() {
+        return Err(err(
+            "[server] state_dir",
+            format!("{} is a file, not a folder", server.state_dir.display()),
+        ));
+    }
     if let Some(file) = &server.api_keys_file {
         let file = base.join(file);
         let from_file = matches!(s.0.get("api_keys_file"), Some((_, Origin::File(_))));
@@ -270,6 +305,13 @@ mod tests {
             ("[server]\nkeep_alive = \"-3s\"", "[server] keep_alive"),
             ("[server]\nmax_loaded_models = -1", "[server] max_loaded_models"),
             ("[server]\nhttp_address = \"nowhere\"", "[server] http_address"),
+            ("[server]\ngrpc_address = \"127.0.0.1:8080\"", "[server] grpc_address"),
+            (
+                "[server]\nhttp_address = \"0.0.0.0:9000\"\ngrpc_address = \"127.0.0.1:9000\"",
+                "[server] grpc_address",
+            ),
+            ("[server]\nhost_memory_limit = \"100MiB\"\nheadroom = \"1GiB\"", "[server] headroom"),
+            ("[server]\nstate_dir = \"repo/b/model.onnx\"", "[server] state_dir"),
             ("[server]\nbogus = 1", "bogus"),
             ("[models.x]\npath = \"missing.onnx\"", "[models.x] path"),
             ("[models.x]\npath = \"repo/b\"\nbackend = \"tf\"", "[models.x] backend"),
