@@ -69,7 +69,7 @@ pub(crate) fn copy(onnx: &Path, dir: &Path) -> Result<Option<PathBuf>, String> {
     }
     // A name of its own per attempt: a load and a preparation in this process may make
     // the same copy at once (the first rename wins, the other's copy is dropped).
-    let tmp = crate::weights::tmp_path(dir);
+    let tmp = crate::owners::tmp_path(dir);
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
     let written = write_copy(&file, &map, &tmp);

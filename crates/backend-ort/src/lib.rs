@@ -30,6 +30,7 @@ pub mod estimate;
 mod external;
 mod model;
 mod onnx_file;
+mod owners;
 mod proto;
 mod sessions;
 mod threads;

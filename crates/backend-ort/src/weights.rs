@@ -34,10 +34,7 @@ use std::{
     collections::hash_map::DefaultHasher,
     hash::{Hash, Hasher},
     path::{Path, PathBuf},
-    sync::{
-        atomic::{AtomicU64, Ordering},
-        Mutex,
-    },
+    sync::Mutex,
 };
 
 use ort::{
@@ -45,7 +42,11 @@ use ort::{
     session::{builder::GraphOptimizationLevel, Session},
 };
 
-use crate::{external, onnx_file::ModelFile};
+use crate::{
+    external,
+    onnx_file::ModelFile,
+    owners::{sweep, tmp_path},
+};
 
 /// The bytes a `compact` or `mapped` model is served from: they must outlive its sessions.
 pub(crate) enum ModelBytes {
@@ -239,16 +240,6 @@ fn convert(env: &Environment, onnx: &Path, to: &Path) -> ort::Result<()> {
     save_optimized(builder, onnx, to)
 }
 
-/// Where a cache entry is written before it is renamed to `target`:
-/// `<target>.tmp-<pid>-<n>`, a name of its own per attempt (two conversions or copies
-/// never share one) that says which process wrote it (see `sweep`).
-pub(crate) fn tmp_path(target: &Path) -> PathBuf {
-    static ATTEMPT: AtomicU64 = AtomicU64::new(0);
-    let name = target.file_name().and_then(|n| n.to_str()).unwrap_or("entry");
-    let attempt = ATTEMPT.fetch_add(1, Ordering::Relaxed);
-    target.with_file_name(format!("{name}.tmp-{}-{attempt}", std::process::id()))
-}
-
 /// Creates `cache_dir` if need be, removes the copies of replaced model versions (a new
 /// version's first copy is made just after) and, the first time this process writes to
 /// it, sweeps what stopped processes left.
@@ -259,39 +250,11 @@ fn open_cache(cache_dir: &Path) -> Result<(), String> {
     let mut swept = SWEPT.lock().unwrap_or_else(|p| p.into_inner());
     if !swept.iter().any(|d| d == cache_dir) {
         swept.push(cache_dir.to_path_buf());
+        // This process's proof of life for its own entries, before it writes any.
+        crate::owners::hold_lock(cache_dir);
         sweep(cache_dir);
     }
     Ok(())
-}
-
-/// Removes what a process that no longer runs left half-written in `cache_dir` (a
-/// conversion killed mid-way, by a crash or an out-of-memory kill: up to a few times the
-/// model's size each, never reused since every attempt writes a name of its own).
-/// Entries of processes still running — a `snooze prepare` beside the server, this
-/// process — stay. Where running processes cannot be told (no `/proc`), nothing goes.
-pub(crate) fn sweep(cache_dir: &Path) {
-    if !Path::new("/proc/self").exists() {
-        return;
-    }
-    let Ok(entries) = std::fs::read_dir(cache_dir) else { return };
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(tmp_owner) else { continue };
-        if pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists() {
-            continue;
-        }
-        let path = entry.path();
-        let removed =
-            if path.is_dir() { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) };
-        match removed {
-            Ok(()) => {
-                tracing::info!(entry = %path.display(), pid, "removed what a stopped process left in the cache")
-            }
-            Err(e) => {
-                tracing::warn!(entry = %path.display(), error = %e, "cannot remove a stale cache entry")
-            }
-        }
-    }
 }
 
 /// Notes, beside `onnx`'s cache entries, the file version they are made from:
@@ -357,14 +320,6 @@ fn collect_replaced(cache_dir: &Path) {
     }
 }
 
-/// The process that wrote a `…tmp-<pid>[-<n>]` entry.
-fn tmp_owner(name: &str) -> Option<u32> {
-    let (_, tail) = name.rsplit_once(".tmp-")?;
-    let (pid, attempt) = tail.split_once('-').unwrap_or((tail, "0"));
-    attempt.parse::<u64>().ok()?;
-    pid.parse().ok()
-}
-
 /// One line per cache entry made: `what` of `onnx`, now at `cache`.
 fn log_made(what: &str, onnx: &Path, cache: &Path, started: std::time::Instant) {
     tracing::info!(
@@ -420,35 +375,6 @@ fn stem_of(onnx: &Path, fingerprint: &str, runtime: &Path) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_sweep_removes_what_stopped_processes_left_and_nothing_else() {
-        let dir = std::env::temp_dir().join(format!("snooze-sweep-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        // No process has a pid above pid_max (at most 2^22).
-        let gone = [("mlp-1f.mapped.tmp-2147483646-0", true), ("mlp-1f.tmp-2147483646", false)];
-        let own = format!("mlp-1f.ort.tmp-{}-7", std::process::id());
-        let kept =
-            [(own.as_str(), false), ("mlp-1f.ort", false), ("mlp-1f.mapped", true), ("x.tmp-abc", false)];
-        for (name, is_dir) in gone.iter().chain(&kept) {
-            let path = dir.join(name);
-            if *is_dir {
-                std::fs::create_dir_all(&path).unwrap();
-                std::fs::write(path.join("model.data"), b"weights").unwrap();
-            } else {
-                std::fs::write(&path, b"weights").unwrap();
-            }
-        }
-        sweep(&dir);
-        for (name, _) in gone {
-            assert!(!dir.join(name).exists(), "{name} left by a stopped process");
-        }
-        for (name, _) in kept {
-            assert!(dir.join(name).exists(), "{name} kept");
-        }
-        let _ = std::fs::remove_dir_all(&dir);
-    }
 
     /// An empty folder of this test's own under the temp dir, with its `ort-cache` in it.
     fn scratch(tag: &str) -> (PathBuf, PathBuf) {
@@ -569,19 +495,5 @@ mod tests {
         assert!(new.is_file() && new != copy);
         assert!(cache.join(format!("{}.source", cache_stem(&onnx, runtime))).is_file());
         let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    #[test]
-    fn every_attempt_writes_a_name_of_its_own_that_says_whose_it_is() {
-        let target = Path::new("/cache/mlp-1f.ort");
-        let (a, b) = (tmp_path(target), tmp_path(target));
-        assert_ne!(a, b);
-        for p in [a, b] {
-            let name = p.file_name().unwrap().to_str().unwrap();
-            assert!(name.starts_with("mlp-1f.ort.tmp-"), "{name}");
-            assert_eq!(tmp_owner(name), Some(std::process::id()));
-        }
-        assert_eq!(tmp_owner("mlp-1f.ort"), None);
-        assert_eq!(tmp_owner("mlp-1f.tmp-12"), Some(12), "the names of earlier versions");
     }
 }

@@ -102,11 +102,13 @@ fn the_ort_format_copy_is_cached_once_outside_the_users_files() {
     );
     drop(b.load(&spec("mlp-10m", Weights::Mapped)).unwrap());
     let listed = || {
-        // Each copy's `.source` note (which model version it was made from) is checked apart.
+        // Each copy's `.source` note (which model version it was made from) is checked
+        // apart; `.lock-*` is this process's proof of life for its half-made entries.
         let mut v: Vec<_> = std::fs::read_dir(&dir)
             .unwrap()
             .map(|e| e.unwrap().path())
             .filter(|p| p.extension().is_none_or(|e| e != "source"))
+            .filter(|p| !p.file_name().unwrap().to_str().unwrap().starts_with(".lock-"))
             .collect();
         v.sort();
         v
@@ -144,8 +146,11 @@ fn what_a_killed_conversion_left_in_the_cache_goes_at_the_next_load() {
     std::fs::write(&stale, vec![0u8; 4096]).unwrap();
     drop(backend().with_cache_dir(&dir).load(&spec("mlp-10m", Weights::Mapped)).unwrap());
     assert!(!stale.exists(), "a stopped process's half-written copy is removed");
-    let mut left: Vec<_> =
-        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let mut left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| !n.starts_with(".lock-"))
+        .collect();
     left.sort();
     assert_eq!(left.len(), 2, "the mapped copy and its source note alone: {left:?}");
     assert!(left[0].ends_with(".mapped") && left[1].ends_with(".source"), "{left:?}");
