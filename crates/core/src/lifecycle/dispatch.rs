@@ -113,8 +113,19 @@ impl Scheduler {
         if std::mem::take(&mut s.fresh) {
             s.first_run = Some(took);
         }
-        let per = took / u32::try_from(reqs.len().max(1)).unwrap_or(u32::MAX);
-        s.per_request = Some(s.per_request.map_or(per, |old| (old * 7 + per) / 8));
+        // A request's time: its share of this run, plus its shares of the slices it ran
+        // before when it is a task job (a transcription runs hundreds of decoder steps:
+        // one step's time made a queue of minutes look like half a second to Retry-After).
+        let share = took / u32::try_from(reqs.len().max(1)).unwrap_or(u32::MAX);
+        for req in &reqs {
+            let so_far = s.job_time.remove(req).unwrap_or_default() + share;
+            match continuing.iter().any(|r| r.req == *req) {
+                true => {
+                    s.job_time.insert(*req, so_far);
+                }
+                false => s.per_request = Some(s.per_request.map_or(so_far, |old| (old * 7 + so_far) / 8)),
+            }
+        }
         // A task job with more slices goes to the back of its lane: requests that came
         // meanwhile, of this model or (by the dispatch order) of others, run first, and
         // jobs resumed together share the next slice.

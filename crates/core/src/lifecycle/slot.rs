@@ -1,7 +1,10 @@
 //! One model's slot: its policy, where it is in its lifecycle, what waits for it, and
 //! its history.
 
-use std::time::{Duration, Instant};
+use std::{
+    collections::HashMap,
+    time::{Duration, Instant},
+};
 
 use crate::{backend::Device, units::KeepAlive};
 
@@ -172,6 +175,9 @@ pub struct ModelSlot {
     pub last_error: Option<String>,
     /// Moving average of a request's share of its batch's run time.
     pub(super) per_request: Option<Duration>,
+    /// Each unfinished task job's share of the slices it ran so far: a request's time is
+    /// its whole job's, not one decoder step's (see `on_run_finished`).
+    pub(super) job_time: HashMap<RequestId, Duration>,
     /// The first run after the last load (page faults, arenas: part of what a swap costs).
     pub(super) first_run: Option<Duration>,
     /// No run finished since the last load.
@@ -220,6 +226,7 @@ impl ModelSlot {
             last_load: None,
             last_error: None,
             per_request: None,
+            job_time: HashMap::new(),
             first_run: None,
             fresh: false,
             batched_runs: 0,

@@ -363,6 +363,32 @@ fn retry_after_is_queue_position_times_the_measured_time_per_request_plus_a_load
 }
 
 #[test]
+fn a_task_job_s_time_is_all_its_slices_not_one() {
+    // A transcription runs hundreds of decoder steps; Retry-After took one step for a
+    // request's time ("retry in about 0.5s" before a queue of 28 s).
+    let mut h = Harness::with(1000, &[("a", 100)], |p| p.max_batch_size = 1);
+    let job = h.use_model("a").unwrap();
+    for slice in 0..5 {
+        let (model, reqs, _) = h.batch_of(job).expect("dispatched");
+        let last = slice == 4;
+        let continuing = match last {
+            true => vec![],
+            false => vec![Resume { req: job, rows: 1, key: Some(2), size: None }],
+        };
+        let a = h.feed(Event::RunFinished {
+            model,
+            reqs,
+            outcome: RunOutcome::Done,
+            took: Duration::from_millis(100),
+            continuing,
+        });
+        h.settle(a);
+    }
+    assert_eq!(h.outcome(job), Some(Ok(())));
+    assert_eq!(h.s.expected_wait(0), Duration::from_millis(500), "five slices of 100 ms");
+}
+
+#[test]
 fn out_of_memory_in_a_run_evicts_idle_models_then_halves_then_refuses() {
     let mut h = Harness::with(1000, &[("a", 100), ("idle", 100)], |p| p.max_batch_size = 8);
     h.call("idle").unwrap();
