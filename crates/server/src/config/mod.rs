@@ -307,6 +307,11 @@ mod tests {
             ("[server]\nhttp_address = \"nowhere\"", "[server] http_address"),
             ("[server]\ngrpc_address = \"127.0.0.1:8080\"", "[server] grpc_address"),
             (
+                "[models.d]\npath = \"repo/b\"\nmax_queue = 2\n[models.r]\npath = \"repo/b\"\n\
+                 [pipelines.p]\ndet = \"d\"\nrec = \"r\"\n",
+                "[pipelines.p] page_batch",
+            ),
+            (
                 "[server]\nhttp_address = \"0.0.0.0:9000\"\ngrpc_address = \"127.0.0.1:9000\"",
                 "[server] grpc_address",
             ),

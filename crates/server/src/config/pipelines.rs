@@ -160,6 +160,20 @@ fn pipeline(
     if !(1.0..=64.0).contains(&page_batch) || page_batch.fract() != 0.0 {
         return Err(err(&key("page_batch"), format!("{page_batch} is not a whole number from 1 to 64")));
     }
+    // Each page of a batch queues at every stage: a stage that cannot queue a batch
+    // refused every document of more pages, by its own pages.
+    for stage in [Some(&det), cls.as_ref(), Some(&rec)].into_iter().flatten() {
+        let queue = models.iter().find(|m| &m.name == stage).map_or(usize::MAX, |m| m.max_queue);
+        if (queue as f64) < page_batch {
+            return Err(err(
+                &key("page_batch"),
+                format!(
+                    "{page_batch} pages at once, but '{stage}' queues at most {queue} (its max_queue): \
+                     a document of {page_batch} pages would be refused by its own pages"
+                ),
+            ));
+        }
+    }
     Ok(PipelineSettings {
         name: name.to_string(),
         det,

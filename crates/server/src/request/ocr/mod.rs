@@ -21,7 +21,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use futures_util::future::join_all;
+use futures_util::future::try_join_all;
 use serde::Serialize;
 use snooze_core::{
     execution::WORK, pressure::PressureLevel, ErrorKind, ModelInfo, Priority, SnoozeError, TaskJob,
@@ -353,14 +353,15 @@ pub async fn read(
             dets.push(job);
         }
         drop(images);
-        let dets = join_all(dets.into_iter().map(|j| {
+        // A page refused (its detector's queue full) or failed fails the request at once:
+        // its other pages are dropped, leaving their queues, rather than run for nothing.
+        let dets = try_join_all(dets.into_iter().map(|j| {
             let done = j.is_done();
             run(state, &s.det, priority, j, done)
         }))
-        .await;
+        .await?;
         let mut found: Vec<(DetectedPage, JobTimes)> = Vec::with_capacity(dets.len());
         for d in dets {
-            let d = d?;
             add(&mut usage, 0, d.times());
             let times = d.times().clone();
             let page = d
@@ -379,26 +380,24 @@ pub async fn read(
         }
         let cls_options = OcrOptions { use_cls, ..options.clone() };
         let cls_model = s.cls.clone().unwrap_or_default();
-        let turned = join_all(found.iter_mut().map(|(page, _)| {
+        let turned = try_join_all(found.iter_mut().map(|(page, _)| {
             let job = ClsJob::new(std::mem::take(&mut page.crops), &cls_options);
             let done = job.is_done();
             run(state, &cls_model, priority, job, done)
         }))
-        .await;
+        .await?;
         // The recogniser.
         let mut recs = Vec::with_capacity(turned.len());
         for c in turned {
-            let c = c?;
             add(&mut usage, 1, c.times());
             recs.push(RecJob::new(c.into_crops(), &options, decoder.clone()));
         }
-        let read = join_all(recs.into_iter().map(|j| {
+        let read = try_join_all(recs.into_iter().map(|j| {
             let done = j.is_done();
             run(state, &s.rec, priority, j, done)
         }))
-        .await;
+        .await?;
         for ((index, (page, _)), r) in batch.iter().zip(found).zip(read) {
-            let r = r?;
             add(&mut usage, 2, r.times());
             pages.push(PageResult { page: index + 1, read: page.assemble(r.texts(), options.text_score) });
         }
