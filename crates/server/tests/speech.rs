@@ -577,3 +577,46 @@ fn bad_uploads_are_refused_by_name_and_the_memory_comes_back() {
     assert!(s.child.try_wait().map(|st| st.is_none()).unwrap_or(false), "the server is alive");
     assert_wer("after", &clip.words, &transcribe(&s.base, TINY, &wav, &[]).text(), 0.10);
 }
+
+#[test]
+fn a_transcription_whose_client_left_stops_and_is_counted_as_cancelled() {
+    let s = Server::start("speech-cancelled", &config(""), &[]);
+    // 70 s of speech: seconds of work the client will not wait for.
+    let clip = librivox("0870").bytes();
+    let pcm = &clip[44..];
+    let mut wav = wav_header((pcm.len() * 10) as u32);
+    for _ in 0..10 {
+        wav.extend_from_slice(pcm);
+    }
+    let upload = form(&[("model", TINY)], Some(("long.wav", &wav)));
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let mut client = std::net::TcpStream::connect(&addr).unwrap();
+    let head = format!(
+        "POST {TRANSCRIPTIONS} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: {}\r\ncontent-length: {}\r\n\r\n",
+        upload.content_type,
+        upload.body.len()
+    );
+    std::io::Write::write_all(&mut client, head.as_bytes()).unwrap();
+    std::io::Write::write_all(&mut client, &upload.body).unwrap();
+    let metric = |s: &Server, series: &str| {
+        let text = client_get_text(&s.url("/metrics"));
+        text.lines().find(|l| l.starts_with(series)).and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+    };
+    let started = format!("snooze_queue_wait_seconds_count{{model=\"{TINY}\"}}");
+    s.wait_for("the transcription's first slice", |s| metric(s, &started) == Some(1.0));
+    drop(client);
+    let cancelled =
+        format!("snooze_requests_total{{model=\"{TINY}\",protocol=\"openai\",outcome=\"cancelled\"}}");
+    s.wait_for("the request to be counted as cancelled", |s| metric(s, &cancelled) == Some(1.0));
+    // Its job stopped: the model is free, and the next request is answered.
+    s.wait_for("the job to stop", |s| s.model(TINY)["leases"] == 0 && s.model(TINY)["queued"]["normal"] == 0);
+    let answer = transcribe(&s.base, TINY, &librivox("0880").bytes(), &[]);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let ok = format!("snooze_requests_total{{model=\"{TINY}\",protocol=\"openai\",outcome=\"ok\"}}");
+    assert_eq!(metric(&s, &ok), Some(1.0));
+    assert_eq!(metric(&s, &cancelled), Some(1.0), "counted once");
+}
+
+fn client_get_text(url: &str) -> String {
+    client().get(url).send().unwrap().text().unwrap()
+}

@@ -239,11 +239,11 @@ impl GrpcInferenceService for Service {
         &self,
         req: Request<ModelInferRequest>,
     ) -> Result<Response<ModelInferResponse>, Status> {
-        let started = std::time::Instant::now();
         let r = req.get_ref();
         let info = self.state.model(&r.model_name, Some(&r.model_version)).map_err(fail)?;
+        let seen = metrics::Observation::start("grpc", Some(info.name.clone()));
         let result = self.infer(info, req).await;
-        metrics::observe(&info.name, "grpc", started, result.as_ref().map(drop));
+        seen.finish(result.as_ref().map(drop));
         result.map(Response::new).map_err(|e| status(&e))
     }
 

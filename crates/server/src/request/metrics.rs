@@ -98,7 +98,7 @@ fn describe() {
 /// A request's counter and duration histogram for `name` on `protocols`, at 0.
 fn register_requests(name: &str, protocols: &[&'static str]) {
     for &protocol in protocols {
-        let outcomes = std::iter::once("ok").chain(ErrorKind::ALL.iter().map(|k| k.code()));
+        let outcomes = ["ok", CANCELLED].into_iter().chain(ErrorKind::ALL.iter().map(|k| k.code()));
         for outcome in outcomes {
             counter!(metric::REQUESTS, "model" => name.to_string(), "protocol" => protocol, "outcome" => outcome)
                 .increment(0);
@@ -136,6 +136,43 @@ pub fn register_models<'a>(models: impl Iterator<Item = &'a str>) {
         for step in OOM_STEPS {
             counter!(metric::OOM_RECOVERIES, "model" => model(), "step" => step).increment(0);
         }
+    }
+}
+
+/// The `outcome` of a request whose client went away before its answer (nginx's 499):
+/// the server dropped its work (it left its queue, or its job stopped at its next slice).
+pub const CANCELLED: &str = "cancelled";
+
+/// Counts a request when it ends, however it ends: answered ([`Observation::finish`]),
+/// or dropped mid-way because its client went away ([`CANCELLED`]). `model` is set once
+/// the request names one (a `/v1` body names it only once read).
+pub struct Observation {
+    pub model: Option<String>,
+    protocol: &'static str,
+    started: Instant,
+    finished: bool,
+}
+
+impl Observation {
+    pub fn start(protocol: &'static str, model: Option<String>) -> Observation {
+        Observation { model, protocol, started: Instant::now(), finished: false }
+    }
+
+    pub fn finish(mut self, result: Result<(), &SnoozeError>) {
+        self.finished = true;
+        if let Some(m) = &self.model {
+            observe(m, self.protocol, self.started, result);
+        }
+    }
+}
+
+impl Drop for Observation {
+    fn drop(&mut self) {
+        let Some(model) = self.model.as_ref().filter(|_| !self.finished) else { return };
+        let seconds = self.started.elapsed().as_secs_f64();
+        tracing::info!(model = %model, protocol = self.protocol, seconds, "request cancelled: the client went away");
+        counter!(metric::REQUESTS, "model" => model.clone(), "protocol" => self.protocol, "outcome" => CANCELLED)
+            .increment(1);
     }
 }
 

@@ -27,7 +27,7 @@ use super::{
     openai::{requested_model, OpenAiError, SeenFields, MODEL_HEADER},
     AppState,
 };
-use crate::request::speech;
+use crate::request::{metrics::Observation, speech};
 
 /// Form fields other than `file` are a few words: a larger one is not what it claims.
 const MAX_FIELD_BYTES: usize = 64 << 10;
@@ -47,17 +47,10 @@ async fn translations(State(state): State<AppState>, headers: HeaderMap, body: B
 }
 
 async fn answer(state: AppState, headers: HeaderMap, body: Body, task: Task) -> Response {
-    let started = std::time::Instant::now();
-    let mut model = None;
-    let result = transcribe_once(&state, headers, body, task, &mut model).await;
-    if let Some(m) = &model {
-        crate::request::metrics::observe(
-            m,
-            "openai",
-            started,
-            result.as_ref().map(drop).map_err(|e| e.error()),
-        );
-    }
+    let mut seen = Observation::start("openai", None);
+    let result = transcribe_once(&state, headers, body, task, &mut seen.model).await;
+    let model = seen.model.clone();
+    seen.finish(result.as_ref().map(drop).map_err(|e| e.error()));
     let mut response = result.unwrap_or_else(IntoResponse::into_response);
     if let Some(value) = model.and_then(|m| HeaderValue::from_str(&m).ok()) {
         response.headers_mut().insert(MODEL_HEADER, value);

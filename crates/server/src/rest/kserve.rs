@@ -20,6 +20,7 @@ use crate::request::{
     codec::{self, InferRequest, InferResponse, JsonData, OutputEncoding, ResponseOutput},
     decode, index_state,
     inference::{self, PriorityValue},
+    metrics::Observation,
     VERSION,
 };
 
@@ -153,16 +154,10 @@ async fn run_infer(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Response, AppError> {
-    let started = std::time::Instant::now();
+    let known = state.manager.info(name).is_ok().then(|| name.to_string());
+    let seen = Observation::start("kserve", known);
     let result = infer_once(state, name, version, headers, body).await;
-    if state.manager.info(name).is_ok() {
-        crate::request::metrics::observe(
-            name,
-            "kserve",
-            started,
-            result.as_ref().map(drop).map_err(|e| &e.0),
-        );
-    }
+    seen.finish(result.as_ref().map(drop).map_err(|e| &e.0));
     result
 }
 

@@ -24,7 +24,10 @@ use super::{
     openai::{OpenAiError, SeenFields, MODEL_HEADER},
     AppState,
 };
-use crate::request::ocr::{self, Request};
+use crate::request::{
+    metrics::Observation,
+    ocr::{self, Request},
+};
 
 /// The pipeline a request gets when it names none.
 pub const DEFAULT_PIPELINE: &str = "ocr";
@@ -38,13 +41,10 @@ fn bad(param: impl Into<std::borrow::Cow<'static, str>>, msg: impl Into<String>)
 }
 
 async fn read(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
-    let started = std::time::Instant::now();
-    let mut name = None;
-    let result = read_once(&state, headers, body, &mut name).await;
-    if let Some(n) = &name {
-        let outcome = result.as_ref().map(drop).map_err(|e| e.error());
-        crate::request::metrics::observe(n, "openai", started, outcome);
-    }
+    let mut seen = Observation::start("openai", None);
+    let result = read_once(&state, headers, body, &mut seen.model).await;
+    let name = seen.model.clone();
+    seen.finish(result.as_ref().map(drop).map_err(|e| e.error()));
     let mut response = result.unwrap_or_else(IntoResponse::into_response);
     // The pipeline, as every answer about a model names it: what a proxy routes by.
     if let Some(value) = name.and_then(|n| HeaderValue::from_str(&n).ok()) {

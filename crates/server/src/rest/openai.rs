@@ -25,6 +25,7 @@ use super::{
     kserve::priority,
     AppState,
 };
+use crate::request::metrics::Observation;
 
 pub fn routes() -> Router<AppState> {
     Router::new()
@@ -320,12 +321,10 @@ impl<'de> Visitor<'de> for InputVisitor {
 pub const MODEL_HEADER: &str = "x-snooze-model";
 
 async fn embeddings(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
-    let started = std::time::Instant::now();
-    let mut model = None;
-    let result = embed_once(&state, headers, body, &mut model).await;
-    if let Some(m) = &model {
-        crate::request::metrics::observe(m, "openai", started, result.as_ref().map(drop).map_err(|e| &e.0));
-    }
+    let mut seen = Observation::start("openai", None);
+    let result = embed_once(&state, headers, body, &mut seen.model).await;
+    let model = seen.model.clone();
+    seen.finish(result.as_ref().map(drop).map_err(|e| &e.0));
     let mut response = result.unwrap_or_else(IntoResponse::into_response);
     if let Some(value) = model.and_then(|m| HeaderValue::from_str(&m).ok()) {
         response.headers_mut().insert(MODEL_HEADER, value);
