@@ -46,10 +46,14 @@ impl OrtBackend {
         // Threads come from the environment's global pool (see `ThreadPool`), or a
         // low-priority pool of the session's own (see `threads`).
         let builder = |prepack: bool| serving_builder(self, spec, prepack).map_err(|e| failed(&e));
+        // An error names the file that failed: a cached copy, or the `.onnx`.
         let from_file = |from: &Path, prepack: bool| {
             (0..n)
                 .map(|_| {
-                    builder(prepack)?.commit_from_file(from).map(Runner::Own).map_err(|e| failed(e.message()))
+                    builder(prepack)?
+                        .commit_from_file(from)
+                        .map(Runner::Own)
+                        .map_err(|e| errors::load_error(&spec.name, from, e.message()))
                 })
                 .collect::<Result<Vec<_>, _>>()
         };

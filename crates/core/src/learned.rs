@@ -66,11 +66,24 @@ impl FootprintStore {
 
     pub fn record(&self, model: &str, learned: LearnedFootprint) {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        // What other processes sharing the file learned since it was read.
+        // One save at a time among the processes sharing the file (a file system without
+        // locks saves without: a save may then miss another's entry, never corrupt one).
+        let _lock = self.path.parent().and_then(|dir| {
+            let _ = fs::create_dir_all(dir);
+            let file = fs::File::create(dir.join("footprints.lock")).ok()?;
+            file.lock().ok().map(|()| file)
+        });
+        // What other processes sharing the file learned since it was read: the newer
+        // measurement of each model wins.
         let disk: Option<StateFile> =
             fs::read_to_string(&self.path).ok().and_then(|text| serde_json::from_str(&text).ok());
         for (name, theirs) in disk.map(|d| d.footprints).unwrap_or_default() {
-            state.footprints.entry(name).or_insert(theirs);
+            match state.footprints.get(&name) {
+                Some(ours) if ours.measured_at >= theirs.measured_at => {}
+                _ => {
+                    state.footprints.insert(name, theirs);
+                }
+            }
         }
         state.footprints.insert(model.to_string(), learned);
         match self.write(&state) {
@@ -216,8 +229,15 @@ mod tests {
                 && both.get("from-b", &fp).is_some()
                 && both.get("m", &fp).is_some()
         );
-        let left: Vec<_> = fs::read_dir(dir.join("state")).unwrap().map(|e| e.unwrap().file_name()).collect();
-        assert_eq!(left, ["footprints.json"], "no temporary file is left");
+        // The newer measurement of a model wins over an older one kept in memory.
+        let newer = LearnedFootprint { steady_bytes: Some(200), measured_at: 2, ..learned.clone() };
+        b.record("m", newer.clone());
+        a.record("from-a", learned.clone());
+        assert_eq!(FootprintStore::open(&dir.join("state")).get("m", &fp), Some(newer));
+        let mut left: Vec<_> =
+            fs::read_dir(dir.join("state")).unwrap().map(|e| e.unwrap().file_name()).collect();
+        left.sort();
+        assert_eq!(left, ["footprints.json", "footprints.lock"], "no temporary file is left");
         fs::write(dir.join("state/footprints.json"), b"{not json").unwrap();
         assert_eq!(FootprintStore::open(&dir.join("state")).get("m", &fp), None);
         fs::remove_dir_all(dir).unwrap();

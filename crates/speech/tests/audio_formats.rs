@@ -312,6 +312,12 @@ fn a_wav_of_unknown_length_is_read_to_its_end() {
             probe(Bytes::from(wav), &AudioLimits::default()).unwrap_or_else(|e| panic!("{riff} {data}: {e}"));
         assert_eq!(info.samples, reference.len() as u64, "RIFF length {riff}, data length {data}");
     }
+    // A truly empty recording whose `data` chunk is followed by another chunk: empty,
+    // not the other chunk read as samples.
+    let mut empty = wav_file(1, 1, 16_000, 16, &[]);
+    empty.extend_from_slice(b"LIST\x0c\x00\x00\x00INFOISFT\x00\x00\x00\x00");
+    let e = probe(Bytes::from(empty), &AudioLimits::default()).unwrap_err().to_string();
+    assert!(e.contains("no samples"), "{e}");
 }
 
 #[test]

@@ -33,7 +33,9 @@ fn listeners_apart(http: &str, grpc: &str) -> Result<(), ConfigError> {
     let (Ok(h), Ok(g)) = (http.parse::<std::net::SocketAddr>(), grpc.parse::<std::net::SocketAddr>()) else {
         return Ok(());
     };
-    let same_host = h.ip() == g.ip() || h.ip().is_unspecified() || g.ip().is_unspecified();
+    // `::ffff:127.0.0.1` is 127.0.0.1.
+    let (hi, gi) = (h.ip().to_canonical(), g.ip().to_canonical());
+    let same_host = hi == gi || hi.is_unspecified() || gi.is_unspecified();
     if h.port() != 0 && h.port() == g.port() && same_host {
         return Err(err(
             "[server] grpc_address",
@@ -316,6 +318,10 @@ mod tests {
                 "[server] grpc_address",
             ),
             ("[server]\nhost_memory_limit = \"100MiB\"\nheadroom = \"1GiB\"", "[server] headroom"),
+            (
+                "[server]\nhttp_address = \"[::ffff:127.0.0.1]:9000\"\ngrpc_address = \"127.0.0.1:9000\"",
+                "[server] grpc_address",
+            ),
             ("[server]\nstate_dir = \"repo/b/model.onnx\"", "[server] state_dir"),
             ("[server]\nbogus = 1", "bogus"),
             ("[models.x]\npath = \"missing.onnx\"", "[models.x] path"),

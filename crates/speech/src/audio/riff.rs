@@ -19,6 +19,15 @@ use symphonia::core::io::MediaSource;
 
 use super::AudioError;
 
+/// Whether `rest` starts with a chunk header that fits in it: a four-character code of
+/// printable ASCII and a length no longer than what follows. Samples are not that (the
+/// first bytes of a recording are near silence: zeros and small values).
+fn chunk_follows(rest: &[u8]) -> bool {
+    let (Some(id), Some(len)) = (rest.get(..4), rest.get(4..8)) else { return false };
+    let len = u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
+    id.iter().all(|b| b.is_ascii_graphic() || *b == b' ') && len <= rest.len() - 8
+}
+
 /// What the `fmt ` chunk says, kept for error messages and checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct WavFormat {
@@ -144,8 +153,12 @@ pub(crate) fn check(bytes: &Bytes) -> Result<CheckedWav, AudioError> {
                 return Err(corrupt("the WAV 'data' chunk comes before any 'fmt ' chunk"));
             };
             // 0 is what a recorder stopped before it went back to write the length
-            // leaves (as 0xFFFF_FFFF is): the data runs to the end, as ffmpeg reads it.
-            let declared = if declared == 0 { available } else { declared };
+            // leaves (as 0xFFFF_FFFF is): the data runs to the end, as ffmpeg reads it —
+            // unless another chunk follows at once (a truly empty recording, then `LIST`).
+            let declared = match declared {
+                0 if !chunk_follows(&bytes[body..]) => available,
+                _ => declared,
+            };
             let truncated = declared > available;
             let mut length = declared.min(available);
             if is_pcm(format.format_tag) {
