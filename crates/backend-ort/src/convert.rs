@@ -40,7 +40,7 @@ pub(crate) fn to_input<'t>(
         }
     };
     let value = value.map_err(|e| {
-        crate::errors::infer_error(model, e.code(), &format!("input '{name}': {}", e.message()))
+        crate::errors::infer_error(model, e.code(), &format!("input '{name}': {}", e.message()), true)
     })?;
     Ok((name.clone(), value))
 }

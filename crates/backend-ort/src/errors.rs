@@ -53,14 +53,17 @@ pub const SHAPE_MESSAGES: [&str; 3] = [
 ];
 
 /// A failed run. ONNX Runtime flags shape and type mismatches it catches as
-/// `INVALID_ARGUMENT`, and a shape the graph cannot take by [`SHAPE_MESSAGES`]: those
-/// are the request's fault, not the model's.
-pub(crate) fn infer_error(name: &str, code: ErrorCode, message: &str) -> InferError {
+/// `INVALID_ARGUMENT`: those are the request's fault, not the model's. So is a shape the
+/// graph cannot take ([`SHAPE_MESSAGES`]) — once the model has `served` a run: a model
+/// that fails so on every input (a broken export) has never served one, and its failure
+/// is a 500, not a 400 that would hide it from alerts.
+pub(crate) fn infer_error(name: &str, code: ErrorCode, message: &str, served: bool) -> InferError {
     // The core names the model in front of an out-of-memory or a failure ("model 'm'
     // failed: ..."); only the invalid input's message is shown as it is.
+    let misshapen = served && SHAPE_MESSAGES.iter().any(|m| message.contains(m));
     if is_out_of_memory(message) {
         InferError::OutOfMemory(message.to_string())
-    } else if code == ErrorCode::InvalidArgument || SHAPE_MESSAGES.iter().any(|m| message.contains(m)) {
+    } else if code == ErrorCode::InvalidArgument || misshapen {
         InferError::InvalidInput(format!("model '{name}' rejected the request: {message}"))
     } else {
         InferError::Failed(message.to_string())
@@ -96,21 +99,23 @@ mod tests {
 
     #[test]
     fn run_errors_are_classified_by_code_and_message() {
-        let invalid = infer_error("m", ErrorCode::InvalidArgument, "Got invalid dimensions");
+        let invalid = infer_error("m", ErrorCode::InvalidArgument, "Got invalid dimensions", false);
         assert!(matches!(invalid, InferError::InvalidInput(_)));
         // What ocr-det answers for a 16 x 16 input (its metadata allows any size).
         let small = "Non-zero status code returned while running Add node. Name:'Add.178' Status Message: \
             op_kernel.cc:87 [ONNXRuntimeError] : 1 : FAIL : Shape mismatch attempting to re-use buffer. \
             {1,96,1,1} != {1,96,2,2}.";
-        let small = infer_error("ocr-det", ErrorCode::GenericFailure, small);
+        let never_served = infer_error("ocr-det", ErrorCode::GenericFailure, small, false);
+        assert!(matches!(never_served, InferError::Failed(_)), "a model that never ran: {never_served:?}");
+        let small = infer_error("ocr-det", ErrorCode::GenericFailure, small, true);
         assert!(
             matches!(&small, InferError::InvalidInput(m) if m.starts_with("model 'ocr-det' rejected")),
             "{small:?}"
         );
-        let oom = infer_error("m", ErrorCode::RuntimeException, "std::bad_alloc");
+        let oom = infer_error("m", ErrorCode::RuntimeException, "std::bad_alloc", true);
         assert!(matches!(oom, InferError::OutOfMemory(_)));
         let other = "Non-zero status code returned while running MatMul node";
-        let failed = infer_error("m", ErrorCode::GenericFailure, other);
+        let failed = infer_error("m", ErrorCode::GenericFailure, other, true);
         assert!(
             matches!(&failed, InferError::Failed(m) if m == other),
             "named once, by the core: {failed:?}"

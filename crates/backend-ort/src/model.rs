@@ -2,7 +2,10 @@
 
 use std::{
     collections::HashSet,
-    sync::{Mutex, MutexGuard, PoisonError, TryLockError},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Mutex, MutexGuard, PoisonError, TryLockError,
+    },
 };
 
 use ort::session::{OutputSelector, RunOptions, Session, SessionInputValue, SessionOutputs};
@@ -46,6 +49,8 @@ pub(crate) struct OrtModel {
     mapped: u64,
     /// Runs shrink the arena when they end (see [`run_options`]).
     release: bool,
+    /// A run succeeded: a shape error is then the request's (see `errors::infer_error`).
+    served: AtomicBool,
 }
 
 impl OrtModel {
@@ -70,6 +75,7 @@ impl OrtModel {
             mapped: bytes.as_ref().map_or(0, ModelBytes::mapped_len) + runtime_mapped,
             bytes,
             release,
+            served: AtomicBool::new(false),
         }
     }
 
@@ -176,7 +182,8 @@ impl LoadedModel for OrtModel {
             .iter()
             .filter(|n| unique.insert(**n))
             .fold(OutputSelector::no_default(), |s, n| s.with(*n));
-        let run_failed = |e: ort::Error| errors::infer_error(&self.name, e.code(), e.message());
+        let served = self.served.load(Ordering::Relaxed);
+        let run_failed = |e: ort::Error| errors::infer_error(&self.name, e.code(), e.message(), served);
         let options = run_options(self.release).map_err(run_failed)?.with_outputs(selector);
 
         let mut guard = self.free_session();
@@ -184,6 +191,7 @@ impl LoadedModel for OrtModel {
             .as_mut()
             .ok_or_else(|| InferError::Failed(format!("model '{}' has been unloaded", self.name)))?;
         let results = session.run(feeds, &options).map_err(run_failed)?;
+        self.served.store(true, Ordering::Relaxed);
         wanted
             .iter()
             .map(|name| {

@@ -222,7 +222,8 @@ impl OrtWhisper {
     }
 
     fn failed(&self, e: &ort::Error) -> InferError {
-        errors::infer_error(&self.name, e.code(), e.message())
+        // Its inputs are this server's, not a request's: a shape error is a failure.
+        errors::infer_error(&self.name, e.code(), e.message(), false)
     }
 
     fn output(&self, outputs: &SessionOutputs<'_>, name: &str) -> Result<Vec<f32>, InferError> {
