@@ -160,14 +160,14 @@ impl Actor {
     /// version copied over the old, then an unload) is read again before it loads: its
     /// signature (what requests are checked against), its estimate, its preparations;
     /// what was measured on the old files is dropped. Costs a few `stat` calls.
-    fn refresh_files(&mut self, model: ModelId) {
+    fn refresh_files(&mut self, model: ModelId) -> bool {
         if self.loaded.contains_key(&model) || !self.scheduler.slot(model).is_unloaded() {
-            return;
+            return false;
         }
         let (backend, path, weights) = &self.backends[model];
         let now = crate::learned::model_fingerprint(path, *weights);
         if now == self.fingerprints[model] {
-            return;
+            return false;
         }
         let slot = self.scheduler.slot(model);
         let name = slot.policy.name.clone();
@@ -194,6 +194,7 @@ impl Actor {
         self.scheduler.observe_files(model, signature.as_ref().err().cloned());
         *self.signatures[model].write().unwrap_or_else(|p| p.into_inner()) = signature;
         self.fingerprints[model] = now;
+        true
     }
 
     /// A model whose files were unreadable is checked again on each request (cheap:
@@ -229,7 +230,7 @@ impl Actor {
     fn command(&mut self, cmd: Command) -> Vec<Action> {
         let event = match cmd {
             Command::Submit { sub, job } => {
-                self.refresh_files(sub.model);
+                let _ = self.refresh_files(sub.model);
                 self.recheck_files(sub.model);
                 if !self.scheduler.slot(sub.model).is_ready() {
                     self.refresh_probe();
@@ -238,7 +239,7 @@ impl Actor {
                 Event::Submit(sub)
             }
             Command::Load { req, model, reply } => {
-                self.refresh_files(model);
+                let _ = self.refresh_files(model);
                 self.recheck_files(model);
                 self.refresh_probe();
                 self.replies.insert(req, reply);
@@ -259,6 +260,10 @@ impl Actor {
             }
             Command::Accounted { reply } => {
                 let _ = reply.send(self.scheduler.accounted(&Device::Cpu));
+                return Vec::new();
+            }
+            Command::Refresh { model, reply } => {
+                let _ = reply.send(self.refresh_files(model));
                 return Vec::new();
             }
             Command::Cancel { req } => {

@@ -13,7 +13,7 @@ use std::{
     path::{Path, PathBuf},
     sync::{
         atomic::{AtomicU64, Ordering},
-        Arc, Mutex, RwLock,
+        Arc, Mutex,
     },
     time::{Duration, Instant},
 };
@@ -22,11 +22,14 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 mod actor;
 mod effects;
+mod info;
+
+pub use info::ModelInfo;
 
 use actor::Actor;
 
 use crate::{
-    backend::{Backend, Device, EmbedInput, Embeddings, LoadError, LoadedModel, Task, Weights},
+    backend::{Backend, Device, EmbedInput, Embeddings, LoadError, LoadedModel, Weights},
     error::{ErrorKind, SnoozeError},
     events::{EventLog, LifecycleEvent},
     execution::{BatchEnd, Job, Output, Payload},
@@ -77,51 +80,6 @@ pub struct ManagerConfig {
     pub preparer: Arc<dyn crate::backend::Preparer>,
 }
 
-/// What the transports know of a model without asking the actor.
-#[derive(Debug, Clone)]
-pub struct ModelInfo {
-    pub name: String,
-    pub backend: &'static str,
-    pub task: Task,
-    pub path: PathBuf,
-    /// Read from the files at start, and again when they were replaced (see
-    /// [`ModelInfo::signature`]).
-    signature: Arc<RwLock<Result<ModelSignature, String>>>,
-    /// Requests may share a run (the batch dimension is dynamic, `max_batch_size > 1` and
-    /// the answers do not depend on the batch).
-    pub batchable: bool,
-    /// How its weights are held.
-    pub weights: Weights,
-}
-
-impl ModelInfo {
-    pub fn new(
-        name: String,
-        backend: &'static str,
-        task: Task,
-        path: PathBuf,
-        signature: Result<ModelSignature, String>,
-        batchable: bool,
-        weights: Weights,
-    ) -> ModelInfo {
-        ModelInfo {
-            name,
-            backend,
-            task,
-            path,
-            signature: Arc::new(RwLock::new(signature)),
-            batchable,
-            weights,
-        }
-    }
-
-    /// The model's inputs and outputs as its files declare them (`Err`: they cannot be
-    /// read); read again before a load when the files were replaced since.
-    pub fn signature(&self) -> Result<ModelSignature, String> {
-        self.signature.read().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-}
-
 /// What a garbage collection did.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct GcReport {
@@ -158,6 +116,12 @@ pub(crate) enum Command {
     /// What the budget accounts on the host now (not at the last memory check).
     Accounted {
         reply: oneshot::Sender<u64>,
+    },
+    /// Reads a model's files again if they changed and it is not in memory; whether
+    /// they had.
+    Refresh {
+        model: ModelId,
+        reply: oneshot::Sender<bool>,
     },
     Cancel {
         req: RequestId,
@@ -548,6 +512,17 @@ impl ModelManager {
         let (reply, rx) = oneshot::channel();
         self.send(Command::Accounted { reply });
         rx.await.ok()
+    }
+
+    /// Whether `name`'s files were replaced since they were read (then read again, its
+    /// signature included) — asked before what a request is checked against is trusted
+    /// to refuse it, and before metadata is shown: a model not in memory serves its
+    /// files as they are now.
+    pub async fn refresh_files(&self, name: &str) -> bool {
+        let Ok(model) = self.id(name) else { return false };
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Refresh { model, reply });
+        rx.await.unwrap_or(false)
     }
 
     /// Refuses new work, lets runs finish (up to `timeout`), unloads everything.

@@ -154,6 +154,14 @@ impl Service {
         let size = req.extensions().get::<limit::MessageSize>().map_or(0, |s| s.0);
         charge.grow(size)?;
         let req = req.into_inner();
+        // Inputs the files did not name when read: they may have been replaced since.
+        let named = |sig: &Result<snooze_core::ModelSignature, String>| {
+            sig.as_ref()
+                .map_or(true, |s| req.inputs.iter().all(|i| s.inputs.iter().any(|x| x.name == i.name)))
+        };
+        if !named(&info.signature()) {
+            state.manager.refresh_files(&info.name).await;
+        }
         let sig = info.signature();
         let sig = sig.as_ref().ok();
         let requested: Vec<String> = req.outputs.iter().map(|o| o.name.clone()).collect();
@@ -213,6 +221,7 @@ impl GrpcInferenceService for Service {
     ) -> Result<Response<ModelMetadataResponse>, Status> {
         let req = req.into_inner();
         let info = self.state.model(&req.name, Some(&req.version)).map_err(fail)?;
+        self.state.manager.refresh_files(&info.name).await;
         let sig = info.signature();
         let sig = sig.as_ref().map_err(|e| {
             fail(SnoozeError::new(ErrorKind::ModelFailed, format!("cannot read model '{}': {e}", info.name)))

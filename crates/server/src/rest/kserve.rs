@@ -89,14 +89,18 @@ fn metadata(info: &ModelInfo) -> Result<Response, AppError> {
 }
 
 async fn model_metadata(State(s): State<AppState>, Path(m): Path<String>) -> Result<Response, AppError> {
-    metadata(s.model(&m, None)?)
+    let info = s.model(&m, None)?;
+    s.manager.refresh_files(&info.name).await;
+    metadata(info)
 }
 
 async fn model_metadata_v(
     State(s): State<AppState>,
     Path((m, v)): Path<(String, String)>,
 ) -> Result<Response, AppError> {
-    metadata(s.model(&m, Some(&v))?)
+    let info = s.model(&m, Some(&v))?;
+    s.manager.refresh_files(&info.name).await;
+    metadata(info)
 }
 
 /// Ready = can take a request now: a sleeping model can (it loads on demand); one
@@ -179,9 +183,15 @@ async fn infer_once(
     })?;
     // A model whose files could not be read is checked structurally only: its load
     // then fails with the reason, which is the clearer error.
-    let sig = info.signature();
+    let mut sig = info.signature();
+    let mut plans = decode::plan_inputs(&req, binary.len(), sig.as_ref().ok(), name);
+    // Refused by what the files said when read: they may have been replaced since.
+    if plans.is_err() && state.manager.refresh_files(name).await {
+        sig = info.signature();
+        plans = decode::plan_inputs(&req, binary.len(), sig.as_ref().ok(), name);
+    }
+    let plans = plans?;
     let sig = sig.as_ref().ok();
-    let plans = decode::plan_inputs(&req, binary.len(), sig, name)?;
     for p in &plans {
         inference::check_text_count(state, info, p.name, p.count)?;
     }
