@@ -242,8 +242,14 @@ fn init_logs(format: LogFormat) {
     // The audio decoders log what they find wrong in a file (hundreds of lines, some at
     // ERROR, for one upload that is not audio); the client's mistake is its 400, not the
     // server's log.
-    let filter = tracing_subscriber::EnvFilter::try_from_env("SNOOZE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,ort=warn,symphonia=off"));
+    const DEFAULT: &str = "info,ort=warn,symphonia=off";
+    let (filter, refused) = match std::env::var("SNOOZE_LOG") {
+        Err(_) => (tracing_subscriber::EnvFilter::new(DEFAULT), None),
+        Ok(asked) => match tracing_subscriber::EnvFilter::try_new(&asked) {
+            Ok(filter) => (filter, None),
+            Err(e) => (tracing_subscriber::EnvFilter::new(DEFAULT), Some((asked, e))),
+        },
+    };
     // Colours only for a terminal: a file or a container's log gets plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder =
@@ -251,6 +257,10 @@ fn init_logs(format: LogFormat) {
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+    // A typo in the filter would otherwise go unnoticed (the defaults log on).
+    if let Some((asked, e)) = refused {
+        tracing::warn!(SNOOZE_LOG = %asked, error = %e, "SNOOZE_LOG is not a log filter: logging at the default levels ({DEFAULT})");
     }
 }
 

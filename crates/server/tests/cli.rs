@@ -104,6 +104,16 @@ fn check_sees_what_serve_would_and_paths_follow_where_they_were_given() {
     assert!(state(&["--state-dir", "st"]).contains(&format!("state_dir: {}", cwd.join("st").display())));
     std::fs::write(&empty, "[server]\nstate_dir = \"st\"\n").expect("write");
     assert!(state(&[]).contains(&format!("state_dir: {}", cwd.join("sub").join("st").display())));
+    // A log filter with a typo is said, not silently replaced by the defaults.
+    let out = snooze()
+        .current_dir(&cwd)
+        .args(["prepare", "--config", "sub/empty.toml"])
+        .env("ORT_DYLIB_PATH", ort_dylib())
+        .env("SNOOZE_LOG", "==garbage[")
+        .output()
+        .expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.contains("SNOOZE_LOG is not a log filter"), "{err}");
 }
 
 #[test]
