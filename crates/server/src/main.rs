@@ -427,6 +427,13 @@ fn main() -> ExitCode {
         // SAFETY: resetting a signal to its default before any thread starts.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
+    if matches!(cli.command, Command::Serve(_)) {
+        // SIGHUP re-reads the API keys once the server runs; until its handler is set
+        // (tens of milliseconds after start) the default action would end the process:
+        // a key-rotation sidecar signalling during a restart killed it without a line.
+        // SAFETY: setting a signal's disposition before any thread starts.
+        unsafe { libc::signal(libc::SIGHUP, libc::SIG_IGN) };
+    }
     let result = match cli.command {
         Command::Serve(args) => {
             init_logs(args.log_format);
