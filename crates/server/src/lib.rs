@@ -152,6 +152,8 @@ pub fn prepare(config: &Config, mut report: impl FnMut(&str)) -> anyhow::Result<
         // `auto` is decided by the budget at each start (an image is built on another
         // machine than it runs on): both forms it may choose.
         let forms = match m.weights {
+            // Whisper's graphs have one cached form whatever `weights` says: prepacked.
+            _ if backend.task(&m.path) == snooze_core::Task::Transcription => vec![Weights::Prepacked],
             Weights::Auto => vec![Weights::Mapped, Weights::Prepacked],
             chosen => vec![chosen],
         };

@@ -136,3 +136,26 @@ fn a_model_whose_conversion_cannot_fit_is_served_from_its_mapped_copy() {
         "nothing refused: {events}"
     );
 }
+
+#[test]
+fn snooze_prepare_names_whisper_s_one_cached_form() {
+    // Whisper's graphs are cached prepacked whatever `weights` says: it was reported
+    // as "prepared (mapped)", and a failure printed twice, once per form.
+    let dir = fresh_dir("whisper");
+    let cfg = dir.join("snooze.toml");
+    let text = format!("[models.w]\npath = \"{}/whisper-tiny-en\"\n", models_dir().display());
+    std::fs::write(&cfg, text).expect("config");
+    let out = Command::new(env!("CARGO_BIN_EXE_snooze"))
+        .args(["prepare", "--config"])
+        .arg(&cfg)
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .env("ORT_DYLIB_PATH", ort_dylib())
+        .output()
+        .expect("run snooze prepare");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(stdout.matches("w: prepared").count(), 1, "{stdout}");
+    assert!(stdout.contains("w: prepared (prepacked)"), "{stdout}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
