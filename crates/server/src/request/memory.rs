@@ -73,6 +73,31 @@ impl Charge {
         Ok(())
     }
 
+    /// [`could_fit`](Self::could_fit), and 503 + Retry-After when the requests in flight
+    /// leave no room for `more` now; charges nothing (a body declared too large for the
+    /// room left is refused before it is sent, not after most of it arrived).
+    pub fn fits_now(&self, more: u64) -> Result<(), SnoozeError> {
+        self.could_fit(more)?;
+        let used = self.pool.used.load(Ordering::Acquire);
+        match used.checked_add(more).is_some_and(|total| total <= self.pool.limit) {
+            true => Ok(()),
+            false => Err(self.no_room(used, more)),
+        }
+    }
+
+    fn no_room(&self, used: u64, more: u64) -> SnoozeError {
+        SnoozeError::new(
+            ErrorKind::Overloaded,
+            format!(
+                "requests in flight hold {} of max_inflight_request_bytes ({}); this one needs {} more",
+                fb(used),
+                fb(self.pool.limit),
+                fb(more)
+            ),
+        )
+        .retry_after(RETRY_AFTER)
+    }
+
     /// Charges `more` bytes, or refuses: 413 when the request alone could never fit the
     /// budget, 503 + Retry-After when the requests in flight leave no room now.
     pub fn grow(&mut self, more: u64) -> Result<(), SnoozeError> {
@@ -87,16 +112,7 @@ impl Charge {
                 self.bytes = mine;
                 Ok(())
             }
-            Err(used) => Err(SnoozeError::new(
-                ErrorKind::Overloaded,
-                format!(
-                    "requests in flight hold {} of max_inflight_request_bytes ({}); this one needs {} more",
-                    fb(used),
-                    fb(limit),
-                    fb(more)
-                ),
-            )
-            .retry_after(RETRY_AFTER)),
+            Err(used) => Err(self.no_room(used, more)),
         }
     }
 
@@ -129,6 +145,11 @@ mod tests {
         let mut a = pool.charge();
         a.grow(60).unwrap();
         let mut b = pool.charge();
+        // A declared size is weighed against the room left, and charged nothing.
+        assert_eq!(b.fits_now(50).unwrap_err().kind, ErrorKind::Overloaded);
+        assert_eq!(b.fits_now(101).unwrap_err().kind, ErrorKind::PayloadTooLarge);
+        b.fits_now(40).unwrap();
+        assert_eq!(pool.used(), 60);
         let e = b.grow(50).unwrap_err();
         assert_eq!(e.kind, ErrorKind::Overloaded);
         assert!(e.retry_after.is_some() && e.message.contains("60 B"), "{}", e.message);

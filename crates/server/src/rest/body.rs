@@ -46,9 +46,9 @@ pub async fn read_body(
         if n > limit {
             return Err(too_large(state, limit, &format!("({})", fb(n))));
         }
-        // Refused at once if it could never fit; charged as it arrives, never by the
-        // number: connections that declare much and send nothing hold nothing.
-        charge.could_fit(n)?;
+        // Refused at once if it could never fit, or not now; charged as it arrives, never
+        // by the number: connections that declare much and send nothing hold nothing.
+        charge.fits_now(n)?;
     }
     let timeout = state.settings.body_read_timeout;
     let deadline = tokio::time::Instant::now() + timeout;
