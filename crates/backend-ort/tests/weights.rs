@@ -249,6 +249,7 @@ fn a_broken_prepacked_or_ort_format_copy_is_removed_and_the_onnx_loads() {
         assert!(diff < 1e-4, "{weights:?}: {diff}");
     }
     assert!(!ort.exists(), "the broken ORT-format file is gone");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -273,4 +274,5 @@ fn two_processes_saving_one_prepacked_copy_both_succeed_and_leave_no_half_copy()
         .filter(|n| n.contains(".tmp-"))
         .collect();
     assert!(half.is_empty(), "left behind: {half:?}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
