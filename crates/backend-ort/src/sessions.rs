@@ -62,19 +62,8 @@ impl OrtBackend {
             Weights::Prepacked | Weights::Auto => {
                 // The saved prepacked copy (mapped by the runtime), else the `.onnx` as
                 // ONNX Runtime loads it by default.
-                let Some(copy) = dir.and_then(|d| weights::cached_prepacked_file(file, d, &self.library))
-                else {
-                    return Ok((from_file(file, true)?, None, 0));
-                };
-                match from_file(&copy, true) {
-                    Ok(made) => Ok((made, None, 0)),
-                    Err(LoadError::Failed(e)) => {
-                        refused(spec, &copy, &e);
-                        weights::discard_prepacked_copy(file, dir.unwrap_or(Path::new("")), &self.library);
-                        Ok((from_file(file, true)?, None, 0))
-                    }
-                    Err(e) => Err(e),
-                }
+                let cache = dir.map(|d| (d, self.library.as_path()));
+                prepacked_or_onnx(spec, file, cache, |from| from_file(from, true)).map(|made| (made, None, 0))
             }
             Weights::Compact | Weights::Mapped => {
                 if let Some(ort_file) = self.cached_ort_format(file) {
@@ -149,8 +138,29 @@ impl OrtBackend {
     }
 }
 
+/// `make` from `onnx`'s saved prepacked copy in the cache (folder, runtime library) when
+/// there is one, else from the `.onnx`; a copy the runtime refuses is removed and the
+/// `.onnx` loads.
+pub(crate) fn prepacked_or_onnx<T>(
+    spec: &LoadSpec,
+    onnx: &Path,
+    cache: Option<(&Path, &Path)>,
+    make: impl Fn(&Path) -> Result<T, LoadError>,
+) -> Result<T, LoadError> {
+    let Some((dir, library)) = cache else { return make(onnx) };
+    let Some(copy) = weights::cached_prepacked_file(onnx, dir, library) else { return make(onnx) };
+    match make(&copy) {
+        Err(LoadError::Failed(e)) => {
+            refused(spec, &copy, &e);
+            weights::discard_prepacked_copy(onnx, dir, library);
+            make(onnx)
+        }
+        made => made,
+    }
+}
+
 /// Logs a cached copy the runtime would not load (it is removed and the `.onnx` loads).
-pub(crate) fn refused(spec: &LoadSpec, copy: &Path, error: &str) {
+fn refused(spec: &LoadSpec, copy: &Path, error: &str) {
     tracing::warn!(
         model = %spec.name,
         copy = %copy.display(),

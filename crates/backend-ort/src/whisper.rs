@@ -143,17 +143,7 @@ pub(crate) fn load(backend: &OrtBackend, spec: &LoadSpec) -> Result<Arc<dyn Load
                 .commit_from_file(source)
                 .map_err(|e| failed(e.message()))
         };
-        let Some((dir, library)) = cache else { return from(file) };
-        let Some(copy) = weights::cached_prepacked_file(file, dir, library) else { return from(file) };
-        // A copy the runtime refuses is removed and the graph loads from its `.onnx`.
-        match from(&copy) {
-            Err(LoadError::Failed(e)) => {
-                crate::sessions::refused(spec, &copy, &e);
-                weights::discard_prepacked_copy(file, dir, library);
-                from(file)
-            }
-            made => made,
-        }
+        crate::sessions::prepacked_or_onnx(spec, file, cache, from)
     };
     let encoder = session(&config.encoder_path(&spec.path))?;
     let decoder = session(&config.decoder_path(&spec.path))?;

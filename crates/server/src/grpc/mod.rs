@@ -159,10 +159,10 @@ impl Service {
             sig.as_ref()
                 .map_or(true, |s| req.inputs.iter().all(|i| s.inputs.iter().any(|x| x.name == i.name)))
         };
-        if !named(&info.signature()) {
-            state.manager.refresh_files(&info.name).await;
+        let mut sig = info.signature();
+        if !named(&sig) && state.manager.refresh_files(&info.name).await {
+            sig = info.signature();
         }
-        let sig = info.signature();
         let sig = sig.as_ref().ok();
         let requested: Vec<String> = req.outputs.iter().map(|o| o.name.clone()).collect();
         inference::check_requested_outputs(sig, &info.name, requested.iter().map(String::as_str))?;

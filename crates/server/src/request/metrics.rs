@@ -177,7 +177,7 @@ impl Drop for Observation {
 }
 
 /// Counts a request and its duration: `outcome` is `ok` or the error's code.
-pub fn observe(model: &str, protocol: &'static str, started: Instant, result: Result<(), &SnoozeError>) {
+fn observe(model: &str, protocol: &'static str, started: Instant, result: Result<(), &SnoozeError>) {
     let outcome = match result {
         Ok(()) => "ok",
         Err(e) => e.kind.code(),
