@@ -45,7 +45,8 @@
 //! the clients of a run stop *starting* requests after `SNOOZE_ZIPF_MAX_SECS` (default 180, `0` = no
 //! limit) and finish the one in flight; the table marks such a run with `*` and counts
 //! the requests started. Goodput and latencies stay what they mean: served / wall time,
-//! first send to final 200.
+//! first send to final 200. `SNOOZE_ZIPF_LOG_DIR=DIR` keeps each run's server log (JSON
+//! lines, loads and evictions included) as `DIR/<id>.log`.
 //!
 //! ```text
 //! make bench-zipf

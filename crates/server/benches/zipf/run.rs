@@ -3,7 +3,7 @@
 
 use std::{
     panic::AssertUnwindSafe,
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::Command,
     sync::Barrier,
     time::{Duration, Instant},
@@ -115,6 +115,14 @@ pub fn execute(run: &Run) -> Outcome {
         Err(panic) => return Outcome::Failed(format!("the server did not start: {}", panic_message(&panic))),
     };
     let measured = std::panic::catch_unwind(AssertUnwindSafe(|| measure(&server, run)));
+    // `SNOOZE_ZIPF_LOG_DIR`: each run's server log (JSON lines) kept there, as `<id>.log`.
+    if let Some(dir) = std::env::var_os("SNOOZE_ZIPF_LOG_DIR") {
+        let path = Path::new(&dir).join(format!("{}.log", run.id));
+        let text = server.logs.lock().map(|l| l.join("\n")).unwrap_or_default();
+        if let Err(e) = std::fs::create_dir_all(&dir).and_then(|_| std::fs::write(&path, text)) {
+            eprintln!("  cannot keep the server log in {}: {e}", path.display());
+        }
+    }
     let exit = match std::panic::catch_unwind(AssertUnwindSafe(|| server.terminate())) {
         Ok(status) => status.to_string(),
         Err(panic) => format!("did not stop after SIGTERM: {}", panic_message(&panic)),
