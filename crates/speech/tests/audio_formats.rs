@@ -298,6 +298,35 @@ fn joined_mp3s_decode_whole() {
 }
 
 #[test]
+fn joined_mp3s_of_different_rates_and_channels_decode_whole() {
+    // A 16 kHz mono MP3 joined with a 44.1 kHz stereo one: symphonia's decoder refused
+    // every frame of the second (another signal spec), a 200 with the first file's text.
+    let dir = tempdir();
+    let (a, b) = (librivox("0890"), librivox("0880"));
+    let b44 = convert(&b, dir.path(), "b44.wav", &["-r", "44100", "-c", "2"]);
+    let joined: Vec<u8> =
+        [lame(&a, dir.path(), "a.mp3", &["-b", "64"]), lame(&b44, dir.path(), "b.mp3", &[])]
+            .iter()
+            .flat_map(|p| std::fs::read(p).unwrap())
+            .collect();
+    let path = dir.path().join("joined.mp3");
+    std::fs::write(&path, joined).unwrap();
+    let info = probe(read(&path), &AudioLimits::default()).unwrap();
+    assert!(!info.damaged);
+    let (first, second) = (pcm16_samples(&a), pcm16_samples(&b));
+    let decoded = decode(&path);
+    assert_eq!(info.samples, decoded.len() as u64);
+    let expected = first.len() + second.len();
+    assert!(decoded.len() >= expected && decoded.len() < expected + 5_000, "{} vs {expected}", decoded.len());
+    let (snr, _) = aligned_snr_db(&first, &decoded[..first.len()], 0);
+    assert!(snr > 15.0, "the first file: {snr:.1} dB");
+    // The second starts after the first's padding and its own encoder delay.
+    let (snr, lag) = aligned_snr_db(&second, &decoded[first.len()..], 4_000);
+    println!("second: {snr:.1} dB at lag {lag}");
+    assert!(snr > 12.0, "the second file, resampled from 44.1 kHz stereo: {snr:.1} dB at lag {lag}");
+}
+
+#[test]
 fn a_wav_of_unknown_length_is_read_to_its_end() {
     // A recorder stopped before it went back to write the lengths leaves 0 (or
     // 0xFFFF_FFFF) in them; ffmpeg reads the data to the end of the file.

@@ -18,7 +18,10 @@
 //! * **Joined MP3s.** With gapless decoding (the encoder's delay and padding cut, so
 //!   timestamps line up with the original), frames past the length the first file's
 //!   LAME tag declares are cut whole. A file or two of them is that padding; more is a
-//!   second MP3 joined after the first (`cat a.mp3 b.mp3`), decoded in full.
+//!   second MP3 joined after the first (`cat a.mp3 b.mp3`), decoded in full. Joined
+//!   files may differ in rate or channels: symphonia's MP3 decoder refuses a frame
+//!   unlike the first, so a fresh decoder takes over there, and the rate may change
+//!   between packets (the stream resamples each part from its own rate).
 //! * **Panics.** Symphonia 0.5 can panic on crafted input (arithmetic overflow,
 //!   slicing past a buffer); every call into it runs under `catch_unwind`, and a
 //!   panic is treated as corrupt data from that point on.
@@ -32,7 +35,7 @@ use std::{
 use bytes::Bytes;
 use symphonia::core::{
     audio::{AudioBuffer, AudioBufferRef, Signal},
-    codecs::{CodecType, Decoder, DecoderOptions, CODEC_TYPE_NULL, CODEC_TYPE_OPUS},
+    codecs::{CodecParameters, CodecType, Decoder, DecoderOptions, CODEC_TYPE_NULL, CODEC_TYPE_OPUS},
     conv::IntoSample,
     errors::Error as SymphoniaError,
     formats::{FormatOptions, FormatReader, Packet},
@@ -52,10 +55,17 @@ const METADATA_LIMIT_BYTES: usize = 64 * 1024;
 /// 4,095 samples: four frames of 1,152).
 const PADDING_FRAMES: usize = 4;
 
+/// How symphonia's MP3 decoder refuses a frame whose rate or channels differ from the
+/// first frame's.
+const SPEC_CHANGED: &str = "invalid audio buffer signal spec";
+
 /// A track being decoded, one packet per call.
 pub(crate) struct TrackDecoder {
     format: Box<dyn FormatReader>,
     decoder: Box<dyn Decoder>,
+    /// What the decoder was made from, to make a fresh one where joined files change
+    /// rate or channels.
+    params: CodecParameters,
     track_id: u32,
     pub source: SourceFormat,
     limits: AudioLimits,
@@ -63,6 +73,8 @@ pub(crate) struct TrackDecoder {
     /// end, to tell a cut file from a complete one.
     declared_frames: Option<u64>,
     frames: u64,
+    /// Seconds decoded so far (the rate may change part-way).
+    seconds: f64,
     skipped_packets: u64,
     pub damaged: bool,
     finished: bool,
@@ -199,11 +211,13 @@ impl TrackDecoder {
         Ok(TrackDecoder {
             format,
             decoder,
+            params,
             track_id,
             source,
             limits: limits.clone(),
             declared_frames,
             frames: 0,
+            seconds: 0.0,
             skipped_packets: 0,
             damaged: truncated,
             finished: false,
@@ -277,11 +291,21 @@ impl TrackDecoder {
 
     /// Decodes one packet into `mono`; an empty `mono` means nothing came out of it.
     fn decode(&mut self, packet: Packet, mono: &mut Vec<f32>) -> Result<(), AudioError> {
-        let decoder = &mut self.decoder;
-        let decoded = catch_unwind(AssertUnwindSafe(|| match decoder.decode(&packet) {
-            Ok(buffer) => Ok((buffer.spec().rate, buffer.spec().channels.count(), downmix(buffer, mono))),
-            Err(e) => Err(e),
-        }));
+        let mut decoded = self.try_decode(&packet, mono);
+        if matches!(&decoded, Ok(Err(SymphoniaError::DecodeError(why))) if why.contains(SPEC_CHANGED))
+            && self.frames > 0
+        {
+            // A joined file of another rate or channel count: its frames need a decoder of
+            // their own (the reservoir of the file before does not carry over anyway).
+            let params = &self.params;
+            let made = catch_unwind(AssertUnwindSafe(|| {
+                symphonia::default::get_codecs().make(params, &DecoderOptions::default())
+            }));
+            if let Ok(Ok(fresh)) = made {
+                self.decoder = fresh;
+                decoded = self.try_decode(&packet, mono);
+            }
+        }
         let (rate, channels) = match decoded {
             Ok(Ok((rate, channels, ()))) => (rate, channels),
             Ok(Err(SymphoniaError::DecodeError(_) | SymphoniaError::IoError(_))) => {
@@ -311,6 +335,18 @@ impl TrackDecoder {
         self.accept(rate, channels, mono.len())
     }
 
+    fn try_decode(
+        &mut self,
+        packet: &Packet,
+        mono: &mut Vec<f32>,
+    ) -> std::thread::Result<Result<(u32, usize, ()), SymphoniaError>> {
+        let decoder = &mut self.decoder;
+        catch_unwind(AssertUnwindSafe(|| match decoder.decode(packet) {
+            Ok(buffer) => Ok((buffer.spec().rate, buffer.spec().channels.count(), downmix(buffer, mono))),
+            Err(e) => Err(e),
+        }))
+    }
+
     /// Checks a decoded packet's signal and counts it against the limit.
     fn accept(&mut self, rate: u32, channels: usize, frames: usize) -> Result<(), AudioError> {
         if channels == 0 {
@@ -321,17 +357,17 @@ impl TrackDecoder {
             self.source.sample_rate = rate;
             self.source.channels = channels;
         } else if rate != self.source.sample_rate {
-            return Err(AudioError::Unsupported(format!(
-                "the sample rate changes from {} Hz to {rate} Hz in the middle of the audio",
-                self.source.sample_rate
-            )));
+            // Joined files of different rates: `source` tells the current one.
+            check_rate(rate)?;
+            tracing::debug!(from = self.source.sample_rate, to = rate, "the sample rate changes part-way");
+            self.source.sample_rate = rate;
         }
         self.frames += frames as u64;
-        let seconds = self.frames as f64 / f64::from(rate);
-        if seconds > self.limits.max_seconds {
+        self.seconds += frames as f64 / f64::from(rate);
+        if self.seconds > self.limits.max_seconds {
             return Err(AudioError::TooLong {
                 limit_seconds: self.limits.max_seconds,
-                at_least_seconds: seconds,
+                at_least_seconds: self.seconds,
             });
         }
         Ok(())

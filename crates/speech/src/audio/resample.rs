@@ -103,6 +103,10 @@ impl To16k {
     }
 
     /// Resamples `input`, appending what is ready to `out`.
+    pub fn source_rate(&self) -> u32 {
+        self.source_rate
+    }
+
     pub fn push(&mut self, mut input: &[f32], out: &mut Vec<f32>) -> Result<(), AudioError> {
         self.frames_in += input.len() as u64;
         let start = out.len();

@@ -42,7 +42,8 @@ impl AudioStream {
     }
 
     /// The container, codec, rate and channels (rate and channels as decoded, once
-    /// the first packet is in; as declared before).
+    /// the first packet is in — of the latest part, for joined files of different
+    /// rates; as declared before).
     pub fn source(&self) -> &SourceFormat {
         &self.decoder.source
     }
@@ -98,6 +99,12 @@ impl AudioStream {
             self.ended = true;
             return Ok(());
         };
+        if more && resampler.source_rate() != self.decoder.source.sample_rate {
+            // Joined files of different rates: the part before ends, the next one is
+            // resampled from its own rate.
+            resampler.finish(&mut self.ready)?;
+            *resampler = To16k::new(self.decoder.source.sample_rate)?;
+        }
         if more {
             resampler.push(&self.packet, &mut self.ready)
         } else {
