@@ -498,10 +498,18 @@ impl Scheduler {
     }
 
     /// What a model's next request can expect to wait: the requests ahead of it times
-    /// the measured time per request, plus the last load time if it must load.
+    /// the measured time per request, plus the last load time if it must load. Before
+    /// any request of it has finished, `retry_after` (the estimate of last resort), or
+    /// the load if that is longer.
     pub fn expected_wait(&self, model: ModelId) -> Duration {
         let s = &self.slots[model];
-        let per = s.per_request.unwrap_or(Duration::from_millis(10));
+        let Some(per) = s.per_request else {
+            // The first requests still running: a guess of the model's speed said
+            // "retry in about 0.0s" ahead of two 37 s transcriptions.
+            let load =
+                if s.is_ready() { Duration::ZERO } else { s.last_load.unwrap_or(Duration::from_secs(1)) };
+            return self.config.retry_after.max(load);
+        };
         let ahead = u32::try_from(s.queue.len()).unwrap_or(u32::MAX).saturating_add(1);
         let mut wait = per.saturating_mul(ahead) / s.policy.max_concurrency.max(1);
         if !s.is_ready() {

@@ -363,6 +363,24 @@ fn retry_after_is_queue_position_times_the_measured_time_per_request_plus_a_load
 }
 
 #[test]
+fn retry_after_before_any_request_finished_is_the_configured_fallback() {
+    // Two 37 s transcriptions running, none finished: the 429 said "retry in about 0.0s"
+    // (10 ms a request, guessed) with `Retry-After: 1`.
+    let mut h = Harness::with(1000, &[("a", 100)], |p| {
+        p.max_queue = 1;
+        p.max_batch_size = 1;
+    });
+    h.s.config.retry_after = Duration::from_secs(5);
+    h.use_model("a").unwrap();
+    h.submit("a");
+    let (_, a) = h.submit("a");
+    let Action::Reply { result: Err(e), .. } = &a[0] else { panic!("{a:?}") };
+    assert_eq!(e.kind, ErrorKind::QueueFull);
+    assert_eq!(e.retry_after, Some(Duration::from_secs(5)));
+    assert!(e.message.contains("retry in about 5.0s"), "{}", e.message);
+}
+
+#[test]
 fn a_task_job_s_time_is_all_its_slices_not_one() {
     // A transcription runs hundreds of decoder steps; Retry-After took one step for a
     // request's time ("retry in about 0.5s" before a queue of 28 s).
