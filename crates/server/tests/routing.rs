@@ -61,6 +61,32 @@ fn the_model_is_named_by_path_or_header_and_on_every_answer() {
     assert_eq!(r.status().as_u16(), 400);
     let e: serde_json::Value = r.json().unwrap();
     assert!(e["error"]["message"].as_str().unwrap().contains("x-snooze-model"), "{e}");
+
+    // A model (or pipeline) the server does not know: 404, and the name asked for on it,
+    // on every protocol (the /v1 routes answered without it).
+    let r =
+        http.post(s.url("/v2/models/nope/infer")).json(&infer_body(&reference("mlp-10m"))).send().unwrap();
+    assert_eq!((r.status().as_u16(), model_of(&r)), (404, Some("nope".into())));
+    let r =
+        http.post(s.url("/v1/embeddings")).json(&json!({"model": "nope", "input": "hello"})).send().unwrap();
+    assert_eq!((r.status().as_u16(), model_of(&r)), (404, Some("nope".into())));
+    let r = http.get(s.url("/v1/models/nope")).send().unwrap();
+    assert_eq!((r.status().as_u16(), model_of(&r)), (404, Some("nope".into())));
+    // The name is looked up before the file is read.
+    let form = |field: &str| {
+        format!(
+            "--b0undary\r\ncontent-disposition: form-data; name=\"{field}\"\r\n\r\nnope\r\n--b0undary\r\n\
+             content-disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF\r\n--b0undary--\r\n"
+        )
+    };
+    let post_form = |path: &str, field: &str| {
+        let r = http.post(s.url(path)).header("content-type", "multipart/form-data; boundary=b0undary");
+        r.body(form(field)).send().unwrap()
+    };
+    let r = post_form("/v1/audio/transcriptions", "model");
+    assert_eq!((r.status().as_u16(), model_of(&r)), (404, Some("nope".into())));
+    let r = post_form("/v1/ocr", "pipeline");
+    assert_eq!((r.status().as_u16(), model_of(&r)), (404, Some("nope".into())));
     assert_eq!(s.get("/v2/health/ready").0, 200);
 }
 

@@ -92,7 +92,7 @@ async fn transcribe_once(
     let body = read_body(state, &headers, body, state.settings.max_request_size, &mut charge).await?;
     let form = parse_form(body, boundary, task).await?;
     let name = requested_model(form.model, &headers)?;
-    let info = state.manager.info(&name)?;
+    let info = state.manager.info(&name).map_err(|e| OpenAiError::from(e).naming(&name))?;
     *model_seen = Some(info.name.clone());
     let file = form.file.ok_or_else(|| {
         OpenAiError::about(

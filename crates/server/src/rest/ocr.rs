@@ -78,10 +78,8 @@ async fn read_once(
             "send the document as multipart/form-data (a `file` field) or as JSON {\"file\": \"<base64>\"}",
         ));
     };
-    let pipeline = state
-        .pipelines
-        .get(pipeline.as_deref().unwrap_or(DEFAULT_PIPELINE))
-        .map_err(|e| OpenAiError::about("pipeline", e))?;
+    let asked = pipeline.as_deref().unwrap_or(DEFAULT_PIPELINE);
+    let pipeline = state.pipelines.get(asked).map_err(|e| OpenAiError::about("pipeline", e).naming(asked))?;
     *seen = Some(pipeline.settings.name.clone());
     request.check(&pipeline.settings).map_err(|(param, e)| OpenAiError::about(param, e))?;
     let file =

@@ -34,8 +34,9 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/models/{model}", get(model))
 }
 
-/// An error in OpenAI's shape.
-pub struct OpenAiError(SnoozeError, Option<Cow<'static, str>>);
+/// An error in OpenAI's shape: the error, the request field it is about, and the model
+/// (or pipeline) it names when that one is unknown, for `x-snooze-model`.
+pub struct OpenAiError(SnoozeError, Option<Cow<'static, str>>, Option<String>);
 
 /// The names of a multipart form's fields (or a JSON body's members) seen so far. One
 /// given twice is refused: which of the two should count is a guess either way. OpenAI's
@@ -72,7 +73,15 @@ impl SeenFields {
 impl OpenAiError {
     /// `e`, naming the request field `param` it is about.
     pub fn about(param: impl Into<Cow<'static, str>>, e: SnoozeError) -> OpenAiError {
-        OpenAiError(e, Some(param.into()).filter(|p| !p.is_empty()))
+        OpenAiError(e, Some(param.into()).filter(|p| !p.is_empty()), None)
+    }
+
+    /// Names the model the request asked for in the answer's `x-snooze-model`, as every
+    /// answer about a model does (KServe's 404 for an unknown one included): for a
+    /// model or pipeline the server does not know, which no handler can name.
+    pub fn naming(mut self, model: &str) -> OpenAiError {
+        self.2 = Some(model.to_owned());
+        self
     }
 
     pub fn error(&self) -> &SnoozeError {
@@ -82,7 +91,7 @@ impl OpenAiError {
 
 impl From<SnoozeError> for OpenAiError {
     fn from(e: SnoozeError) -> Self {
-        OpenAiError(e, None)
+        OpenAiError(e, None, None)
     }
 }
 
@@ -92,8 +101,12 @@ fn invalid(param: &'static str, msg: impl Into<String>) -> OpenAiError {
 
 impl IntoResponse for OpenAiError {
     fn into_response(self) -> Response {
-        let OpenAiError(e, param) = self;
-        error_response(&e, openai_body(&e, param.as_deref()))
+        let OpenAiError(e, param, model) = self;
+        let mut response = error_response(&e, openai_body(&e, param.as_deref()));
+        if let Some(value) = model.and_then(|m| HeaderValue::from_str(&m).ok()) {
+            response.headers_mut().insert(MODEL_HEADER, value);
+        }
+        response
     }
 }
 
@@ -317,7 +330,7 @@ impl<'de> Visitor<'de> for InputVisitor {
 }
 
 /// The header that names a request's model, for a proxy to route by; every answer
-/// about a known model carries it too.
+/// about a model carries it too (the 404 for one the server does not know included).
 pub const MODEL_HEADER: &str = "x-snooze-model";
 
 async fn embeddings(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
@@ -413,7 +426,7 @@ async fn embed_once(
         }
     };
     let name = requested_model(req.model, &headers)?;
-    let info = state.manager.info(&name).map_err(|e| OpenAiError::about("model", e))?;
+    let info = state.manager.info(&name).map_err(|e| OpenAiError::about("model", e).naming(&name))?;
     *model_seen = Some(name.clone());
     if info.task != Task::Embedding {
         return Err(invalid("model", format!("model '{name}' is not a text-embedding model")));
@@ -500,7 +513,7 @@ async fn model(
 ) -> Response {
     match state.manager.info(&name) {
         Ok(_) => Json(model_object(&state, &name)).into_response(),
-        Err(e) => OpenAiError::about("model", e).into_response(),
+        Err(e) => OpenAiError::about("model", e).naming(&name).into_response(),
     }
 }
 
