@@ -249,25 +249,44 @@ pub fn return_large_blocks() -> bool {
     false
 }
 
-/// Lowers the calling thread's CPU priority to nice 10 (unless it is lower already), for
-/// work that must not take the cores from requests: beside a busy thread of nice 0 it
-/// gets about a tenth of a core's share. Not 19: at the lowest weight (1.5% of a busy
-/// core) a one-second conversion could wait minutes beside a benchmark or a compiler. A
-/// thread cannot raise its priority back without privileges, so only threads that end
-/// with their work, or do only such work, call this.
+/// Lowers the calling thread's CPU priority to 10 below the server's own (nice 10 for a
+/// server at 0; at most 19), unless it is lower already, for work that must not take the
+/// cores from requests: beside a busy thread of the server's priority it gets about a
+/// tenth of a core's share. Relative, so that a server started with `nice -n 10` still
+/// puts its requests first. Not 19 always: at the lowest weight (1.5% of a busy core) a
+/// one-second conversion could wait minutes beside a benchmark or a compiler. A thread
+/// cannot raise its priority back without privileges, so only threads that end with
+/// their work, or do only such work, call this.
 pub fn lower_thread_priority() {
-    const LOW: libc::c_int = 10;
-    if thread_nice().is_some_and(|n| n >= LOW) {
+    let low = low_priority_nice();
+    if thread_nice().is_some_and(|n| n >= low) {
         return;
     }
     // SAFETY: gettid takes no arguments; setpriority with PRIO_PROCESS and a thread id
     // changes only that thread's nice value (Linux threads are scheduled one by one).
     let done = unsafe {
         let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-        libc::setpriority(libc::PRIO_PROCESS, tid, LOW)
+        libc::setpriority(libc::PRIO_PROCESS, tid, low)
     };
     if done != 0 {
         tracing::debug!("cannot lower a background thread's priority");
+    }
+}
+
+/// The nice value [`lower_thread_priority`] gives a thread: 10 more than the server's.
+pub fn low_priority_nice() -> i32 {
+    (process_nice().unwrap_or(0) + 10).min(19)
+}
+
+/// The server's own nice value: its main thread's (whose id is the process id), which
+/// nothing lowers.
+fn process_nice() -> Option<i32> {
+    // SAFETY: getpriority only reads; errno is cleared first and read after, since -1
+    // may be a value.
+    unsafe {
+        *libc::__errno_location() = 0;
+        let nice = libc::getpriority(libc::PRIO_PROCESS, libc::getpid() as libc::id_t);
+        (nice != -1 || *libc::__errno_location() == 0).then_some(nice)
     }
 }
 

@@ -5,7 +5,7 @@
 //! that memory would mix with what the server measures — a load or a run beside it
 //! could not be told from it — and the heap it leaves is not always given back. In a
 //! child, the server's measurements stay true, the memory is all returned when the child
-//! exits, and the child runs at a lower CPU priority (nice 10) than requests. Its peak is
+//! exits, and the child runs at a lower CPU priority (10 below the server's) than requests. Its peak is
 //! still accounted by the scheduler while it runs, and a memory cgroup sees it as ours.
 
 use std::{
@@ -59,8 +59,9 @@ impl Preparer for ChildPreparer {
                 LoadError::Failed(format!("cannot start {} prepare-model: {e}", self.exe.display()))
             })?;
         // Below requests: raising a child's nice value needs no privilege.
+        let low = snooze_core::memory::low_priority_nice();
         // SAFETY: setpriority on our own child's pid changes only its nice value.
-        unsafe { libc::setpriority(libc::PRIO_PROCESS, child.id() as libc::id_t, 10) };
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, child.id() as libc::id_t, low) };
         let out = child
             .wait_with_output()
             .map_err(|e| LoadError::Failed(format!("prepare-model for '{}' was lost: {e}", spec.name)))?;

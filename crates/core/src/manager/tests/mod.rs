@@ -634,7 +634,7 @@ async fn a_model_of_low_cpu_priority_loads_for_it_and_runs_on_a_thread_of_lower_
         [("long".to_string(), true), ("short".to_string(), false)],
         "the backend is asked for low-priority runtime threads for the long model only"
     );
-    let low = Some(normal.max(10));
+    let low = Some(normal.max(crate::memory::low_priority_nice()));
     assert_eq!(
         *s.backend.run_nice.lock().unwrap(),
         [low, Some(normal), low, Some(normal)],
