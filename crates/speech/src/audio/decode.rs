@@ -22,6 +22,8 @@
 //!   files may differ in rate or channels: symphonia's MP3 decoder refuses a frame
 //!   unlike the first, so a fresh decoder takes over there, and the rate may change
 //!   between packets (the stream resamples each part from its own rate).
+//! * **MP4 edit lists.** An AAC encoder's priming and padding are cut as the file's
+//!   edit list says (`mp4`), so the audio starts and ends where the recording does.
 //! * **Panics.** Symphonia 0.5 can panic on crafted input (arithmetic overflow,
 //!   slicing past a buffer); every call into it runs under `catch_unwind`, and a
 //!   panic is treated as corrupt data from that point on.
@@ -45,7 +47,7 @@ use symphonia::core::{
     sample::Sample,
 };
 
-use super::{riff, vorbis, AudioError, AudioLimits, SourceFormat, MAX_SOURCE_RATE, MIN_SOURCE_RATE};
+use super::{mp4, riff, vorbis, AudioError, AudioLimits, SourceFormat, MAX_SOURCE_RATE, MIN_SOURCE_RATE};
 
 /// Tags and cover art are read by symphonia while it looks for the audio; they are
 /// not used here, so each may take little memory.
@@ -85,6 +87,12 @@ pub(crate) struct TrackDecoder {
     pending: VecDeque<Packet>,
     /// More followed the declared length than padding can be: nothing is cut any more.
     joined: bool,
+    /// An MP4's edit list, applied from the first decoded packet (when the rate is known).
+    edit: Option<mp4::Edit>,
+    /// Frames still to drop at the start (the encoder's priming), and frames to keep in
+    /// all (its padding cut), from `edit`.
+    trim_skip: u64,
+    trim_keep: Option<u64>,
 }
 
 /// The container, by its magic bytes, and whether they were there (an MP3 without an
@@ -129,6 +137,7 @@ impl TrackDecoder {
             return Err(AudioError::NoData);
         }
         let (container, recognised) = container_of(&bytes);
+        let edit = if container == "MP4" { mp4::audio_edit(&bytes) } else { None };
         let mut wav_format = None;
         let mut truncated = false;
         let media: Box<dyn MediaSource> = if riff::is_wav(&bytes) {
@@ -224,6 +233,9 @@ impl TrackDecoder {
             past_end: Vec::new(),
             pending: VecDeque::new(),
             joined: false,
+            edit,
+            trim_skip: 0,
+            trim_keep: None,
         })
     }
 
@@ -329,10 +341,28 @@ impl TrackDecoder {
                 return self.stop_at_damage(panic_message(payload.as_ref()));
             }
         };
+        self.trim(rate, mono);
         if mono.is_empty() {
             return Ok(());
         }
         self.accept(rate, channels, mono.len())
+    }
+
+    /// Applies the MP4 edit list to a decoded packet: its priming dropped, its padding cut.
+    fn trim(&mut self, rate: u32, mono: &mut Vec<f32>) {
+        if let Some(edit) = self.edit.take() {
+            let (skip, keep) = edit.in_frames(rate);
+            (self.trim_skip, self.trim_keep) = (skip, keep);
+            // What the container counts includes the priming and the padding.
+            self.declared_frames = keep.or(self.declared_frames.map(|d| d.saturating_sub(skip)));
+        }
+        let cut = usize::try_from(self.trim_skip).unwrap_or(usize::MAX).min(mono.len());
+        mono.drain(..cut);
+        self.trim_skip -= cut as u64;
+        if let Some(keep) = self.trim_keep {
+            let room = usize::try_from(keep.saturating_sub(self.frames)).unwrap_or(usize::MAX);
+            mono.truncate(room);
+        }
     }
 
     fn try_decode(

@@ -22,6 +22,7 @@
 //! (`InvalidInput`, or `PayloadTooLarge` for audio over the limit) for the transport.
 
 mod decode;
+mod mp4;
 mod resample;
 mod riff;
 mod stream;
