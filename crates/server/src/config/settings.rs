@@ -196,7 +196,9 @@ server_settings! {
     max_pages: usize = "1000", check at_least_one;
     /// Longest audio a transcription takes, in seconds, counted while decoding (never read
     /// from a header); longer: 413 naming it. An hour is transcribed window by window
-    /// holding its upload plus a few MB.
+    /// holding its upload plus a few MB; the upload must also fit `max_request_size` (64
+    /// MiB is ~35 min of 16 kHz mono WAV, 6 min of 44.1 kHz stereo WAV, 2 h of 64 kbit/s
+    /// MP3).
     max_audio_seconds: usize = "10800", check at_least_one;
     /// RSS / budget that records an alert.
     memory_warning_threshold: f64 = "0.80";
