@@ -281,21 +281,20 @@ pub fn low_priority_nice() -> i32 {
 /// The server's own nice value: its main thread's (whose id is the process id), which
 /// nothing lowers.
 fn process_nice() -> Option<i32> {
-    // SAFETY: getpriority only reads; errno is cleared first and read after, since -1
-    // may be a value.
-    unsafe {
-        *libc::__errno_location() = 0;
-        let nice = libc::getpriority(libc::PRIO_PROCESS, libc::getpid() as libc::id_t);
-        (nice != -1 || *libc::__errno_location() == 0).then_some(nice)
-    }
+    nice_of(std::process::id() as libc::id_t)
 }
 
 /// The calling thread's nice value (-20 to 19), `None` if it cannot be read.
 pub fn thread_nice() -> Option<i32> {
-    // SAFETY: gettid takes no arguments; getpriority only reads. It may return -1 as a
-    // value, so errno is cleared first and read after.
+    // SAFETY: gettid takes no arguments.
+    nice_of(unsafe { libc::syscall(libc::SYS_gettid) } as libc::id_t)
+}
+
+/// The nice value of the thread `tid` (Linux schedules threads one by one).
+fn nice_of(tid: libc::id_t) -> Option<i32> {
+    // SAFETY: getpriority only reads. It may return -1 as a value, so errno is cleared
+    // first and read after.
     unsafe {
-        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
         *libc::__errno_location() = 0;
         let nice = libc::getpriority(libc::PRIO_PROCESS, tid);
         (nice != -1 || *libc::__errno_location() == 0).then_some(nice)

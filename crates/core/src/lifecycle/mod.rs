@@ -503,19 +503,14 @@ impl Scheduler {
     /// the load if that is longer.
     pub fn expected_wait(&self, model: ModelId) -> Duration {
         let s = &self.slots[model];
+        let load = if s.is_ready() { Duration::ZERO } else { s.last_load.unwrap_or(Duration::from_secs(1)) };
         let Some(per) = s.per_request else {
             // The first requests still running: a guess of the model's speed said
             // "retry in about 0.0s" ahead of two 37 s transcriptions.
-            let load =
-                if s.is_ready() { Duration::ZERO } else { s.last_load.unwrap_or(Duration::from_secs(1)) };
             return self.config.retry_after.max(load);
         };
         let ahead = u32::try_from(s.queue.len()).unwrap_or(u32::MAX).saturating_add(1);
-        let mut wait = per.saturating_mul(ahead) / s.policy.max_concurrency.max(1);
-        if !s.is_ready() {
-            wait += s.last_load.unwrap_or(Duration::from_secs(1));
-        }
-        wait
+        per.saturating_mul(ahead) / s.policy.max_concurrency.max(1) + load
     }
 
     pub(super) fn queue_full_error(&self, model: ModelId) -> SnoozeError {

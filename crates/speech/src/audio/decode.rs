@@ -61,6 +61,13 @@ const PADDING_FRAMES: usize = 4;
 /// first frame's.
 const SPEC_CHANGED: &str = "invalid audio buffer signal spec";
 
+/// A decoder for `params`, made under `catch_unwind` as every call into symphonia is.
+fn make_decoder(params: &CodecParameters) -> std::thread::Result<Result<Box<dyn Decoder>, SymphoniaError>> {
+    catch_unwind(AssertUnwindSafe(|| {
+        symphonia::default::get_codecs().make(params, &DecoderOptions::default())
+    }))
+}
+
 /// A track being decoded, one packet per call.
 pub(crate) struct TrackDecoder {
     format: Box<dyn FormatReader>,
@@ -199,8 +206,8 @@ impl TrackDecoder {
             (None, Some(wav)) => riff::format_name(wav.format_tag),
             (None, None) => codec_name(params.codec),
         };
-        let made = catch_unwind(AssertUnwindSafe(|| registry.make(&params, &DecoderOptions::default())))
-            .map_err(|payload| AudioError::Corrupt(panic_message(payload.as_ref())))?;
+        let made =
+            make_decoder(&params).map_err(|payload| AudioError::Corrupt(panic_message(payload.as_ref())))?;
         let decoder = match made {
             Ok(decoder) => decoder,
             Err(SymphoniaError::Unsupported(_)) => {
@@ -309,11 +316,7 @@ impl TrackDecoder {
         {
             // A joined file of another rate or channel count: its frames need a decoder of
             // their own (the reservoir of the file before does not carry over anyway).
-            let params = &self.params;
-            let made = catch_unwind(AssertUnwindSafe(|| {
-                symphonia::default::get_codecs().make(params, &DecoderOptions::default())
-            }));
-            if let Ok(Ok(fresh)) = made {
+            if let Ok(Ok(fresh)) = make_decoder(&self.params) {
                 self.decoder = fresh;
                 decoded = self.try_decode(&packet, mono);
             }

@@ -102,11 +102,12 @@ impl To16k {
         u64::try_from(scaled / rate).unwrap_or(u64::MAX)
     }
 
-    /// Resamples `input`, appending what is ready to `out`.
+    /// The rate it resamples from.
     pub fn source_rate(&self) -> u32 {
         self.source_rate
     }
 
+    /// Resamples `input`, appending what is ready to `out`.
     pub fn push(&mut self, mut input: &[f32], out: &mut Vec<f32>) -> Result<(), AudioError> {
         self.frames_in += input.len() as u64;
         let start = out.len();
