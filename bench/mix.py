@@ -44,6 +44,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -327,6 +328,8 @@ def run(name, workdir, state_dir, tasks, schedule, args, limit=None, extra_args=
 
         records = send_open_loop(server, list(preroll) + list(schedule), args, at_zero)
         wall = records.pop("__wall__")
+        if args.trace:
+            write_trace(args.trace, name, server.log_path, records)
         monitor = at["monitor"]
         peak = monitor.finish()
         cpu = proc_cpu_seconds(server.pid) - at["cpu0"]
@@ -352,6 +355,18 @@ def run(name, workdir, state_dir, tasks, schedule, args, limit=None, extra_args=
     }
 
 
+def write_trace(trace_dir, name, log_path, records):
+    """`--trace`: the run's server log and every request (task, scheduled s, sent, done as
+    seconds since the Unix epoch, status, problem), to line latencies up with the log."""
+    os.makedirs(trace_dir, exist_ok=True)
+    shutil.copy(log_path, os.path.join(trace_dir, f"{name}.log"))
+    e = records["start_epoch"]
+    with open(os.path.join(trace_dir, f"{name}.requests.jsonl"), "w") as f:
+        for task, t, sent, done, status, problem in records["records"]:
+            f.write(json.dumps({"task": task, "t": t, "sent": e + sent, "done": e + done,
+                                "status": status, "problem": problem}) + "\n")
+
+
 def send_open_loop(server, schedule, args, at_zero):
     """Sends each (t, task, request) at start + t from a pool of threads; `at_zero()` is
     called just before the first request with t >= 0 (the timed part) goes out. Lateness
@@ -360,6 +375,7 @@ def send_open_loop(server, schedule, args, at_zero):
     records, lock, lates = [], threading.Lock(), []
     pool = ThreadPoolExecutor(max_workers=args.workers)
     start = time.perf_counter() + 0.5 - min([0.0] + [t for t, _, _ in schedule])
+    start_epoch = time.time() + (start - time.perf_counter())
     timed = 0
 
     def one(t, task, req):
@@ -402,7 +418,8 @@ def send_open_loop(server, schedule, args, at_zero):
         finished = sum(1 for r in records if r[1] >= 0)
         out = list(records)
     pool.shutdown(wait=False, cancel_futures=True)
-    return {"records": out, "late": lates, "unfinished": timed - finished, "__wall__": wall}
+    return {"records": out, "late": lates, "unfinished": timed - finished, "__wall__": wall,
+            "start_epoch": start_epoch}
 
 
 # --- printing --------------------------------------------------------------------------------
@@ -530,6 +547,8 @@ def parse_args(argv=None):
                     help="more `snooze serve` flags for both runs (e.g. '--intra-op-threads 1')")
     ap.add_argument("--limited-args", default="", help="more `snooze serve` flags for the limited run only")
     ap.add_argument("--state-dir", help="the servers' state dir, kept (default: a fresh one under the work dir)")
+    ap.add_argument("--trace", metavar="DIR",
+                    help="keep each run's server log and every request's times in DIR (to line them up)")
     ap.add_argument("--workers", type=int, default=128, help="sender threads (default 128)")
     ap.add_argument("--drain", type=float, default=120, help="seconds to wait for answers after the last send")
     return ap.parse_args(argv)

@@ -258,14 +258,19 @@ fn open_cache(cache_dir: &Path) -> Result<(), String> {
 }
 
 /// Notes, beside `onnx`'s cache entries, the file version they are made from:
-/// `<stem>.source` holds its path and fingerprint (see `collect_replaced`).
+/// `<stem>.source` holds its path and fingerprint (see `collect_replaced`). The path as
+/// the config names it, made absolute but its links not followed: the fingerprint counts
+/// the file's name, so the target of `models/ocr-det/model.onnx ->
+/// PP-OCRv6_det_small.onnx` (how `make prepare` links the OCR models) has another, and
+/// every sweep took the copies for a replaced version's (remade at each load, never
+/// prepacked for long). A link pointed at a new file is a new version, as it should be.
 fn remember_source(onnx: &Path, cache_dir: &Path, runtime: &Path) {
     let fingerprint = model_fingerprint(onnx);
     let target = cache_dir.join(format!("{}.source", stem_of(onnx, &fingerprint, runtime)));
     if target.is_file() {
         return;
     }
-    let Ok(path) = std::fs::canonicalize(onnx) else { return };
+    let Ok(path) = std::path::absolute(onnx) else { return };
     let Some(path) = path.to_str().filter(|p| !p.contains('\n')) else { return };
     let tmp = tmp_path(&target);
     let written = std::fs::write(&tmp, format!("{path}\n{fingerprint}\n"))
@@ -436,6 +441,38 @@ mod tests {
         }
         for path in &kept_entries {
             assert!(path.exists(), "{} removed", path.display());
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A model named through a link whose target has another name (as `make prepare`
+    /// links rapidocr's files) keeps its copies; pointed at a new file, it loses them.
+    #[cfg(unix)]
+    #[test]
+    fn a_linked_model_keeps_its_copies_until_the_link_points_elsewhere() {
+        let (dir, cache) = scratch("replaced-link");
+        let runtime = Path::new("/opt/onnxruntime/libonnxruntime.so.1.32.0");
+        std::fs::create_dir_all(dir.join("wheel")).unwrap();
+        std::fs::create_dir_all(dir.join("ocr-det")).unwrap();
+        let (v1, v2) = (dir.join("wheel/PP-OCRv6_det_small.onnx"), dir.join("wheel/PP-OCRv7_det.onnx"));
+        std::fs::write(&v1, b"version 1").unwrap();
+        std::fs::write(&v2, b"version 2, another size").unwrap();
+        let onnx = dir.join("ocr-det/model.onnx");
+        std::os::unix::fs::symlink(&v1, &onnx).unwrap();
+        let made = entries(&onnx, &cache, runtime);
+        remember_source(&onnx, &cache, runtime);
+        let source = cache.join(format!("{}.source", cache_stem(&onnx, runtime)));
+        for _ in 0..2 {
+            collect_replaced(&cache);
+            for path in made.iter().chain([&source]) {
+                assert!(path.exists(), "{} removed while the link's file is current", path.display());
+            }
+        }
+        std::fs::remove_file(&onnx).unwrap();
+        std::os::unix::fs::symlink(&v2, &onnx).unwrap();
+        collect_replaced(&cache);
+        for path in made.iter().chain([&source]) {
+            assert!(!path.exists(), "{} of the file the link left kept", path.display());
         }
         let _ = std::fs::remove_dir_all(&dir);
     }
