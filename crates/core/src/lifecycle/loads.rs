@@ -109,6 +109,7 @@ impl Scheduler {
         s.fresh = true;
         s.batched_runs = 0;
         s.promoted = false;
+        s.serving_promoted = false;
         s.state = SlotState::Ready { device, last_used: now, loaded_at: now, footprint };
         // It serves what waited for it before anything may evict it.
         s.owed = s.queue.len();
@@ -125,6 +126,7 @@ impl Scheduler {
         s.promoted = true;
         match result {
             Ok(measured) => {
+                s.serving_promoted = true;
                 if let (Some(bytes), SlotState::Ready { footprint, .. }) = (measured.steady, &mut s.state) {
                     if s.policy.memory.is_none() {
                         *footprint = bytes;

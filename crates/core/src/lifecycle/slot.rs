@@ -188,6 +188,8 @@ pub struct ModelSlot {
     pub(super) promoting: Option<u64>,
     /// Serving from its fast form since the last load (or a promotion failed: not retried).
     pub(super) promoted: bool,
+    /// Serving from the prepacked instance a promotion loaded (until the next load).
+    pub(super) serving_promoted: bool,
     /// One-time preparations still to do (see `prepare`), next first.
     pub(super) preparations: Vec<super::Preparation>,
 }
@@ -232,6 +234,7 @@ impl ModelSlot {
             batched_runs: 0,
             promoting: None,
             promoted: false,
+            serving_promoted: false,
             preparations: Vec::new(),
         }
     }
@@ -408,6 +411,7 @@ impl ModelSlot {
             last_load: self.last_load,
             last_error: self.last_error.clone(),
             pinned: self.policy.pinned,
+            promoted: self.serving_promoted && matches!(self.state, SlotState::Ready { .. }),
         }
     }
 }
@@ -437,4 +441,6 @@ pub struct ModelStatus {
     pub last_load: Option<Duration>,
     pub last_error: Option<String>,
     pub pinned: bool,
+    /// Serving from the prepacked instance a promotion loaded, not the form it loaded in.
+    pub promoted: bool,
 }

@@ -39,7 +39,8 @@ async fn models(State(state): State<AppState>) -> Response {
         .map(|s| {
             let mut m = model_json(s, state.manager.info(&s.name).map(|i| i.backend).unwrap_or("?"), now);
             if let Ok(info) = state.manager.info(&s.name) {
-                m["weights"] = json!(info.weights);
+                // The form serving now: a promotion replaced the instance it loaded in.
+                m["weights"] = json!(if s.promoted { snooze_core::Weights::Prepacked } else { info.weights });
                 m["batching"] = json!(info.batchable);
             }
             m

@@ -215,6 +215,7 @@ mod tests {
             last_load: None,
             last_error: None,
             pinned: false,
+            promoted: false,
         }
     }
 

@@ -577,6 +577,7 @@ fn a_lean_model_that_stays_and_batches_is_promoted_in_place_when_there_is_room()
     });
     assert!(matches!(a[..], [Action::StartLoad { model: 1, .. }]), "{a:?}");
     assert_eq!(h.s.slot(0).measured_bytes, Some(90 * MB));
+    assert!(h.s.status(h.now)[0].promoted, "the admin view says it serves its prepacked copy");
     // Once only per load.
     h.finish(r);
     run_batches(&mut h, 10);
