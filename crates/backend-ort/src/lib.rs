@@ -357,6 +357,16 @@ impl Backend for OrtBackend {
                 .is_some_and(|m| m.batch_dependent)
     }
 
+    /// A folder's every file, as the core counts them; a model named by its `.onnx` file
+    /// counts the external data that file names as well.
+    fn fingerprint(&self, path: &Path) -> String {
+        if path.is_file() {
+            weights::model_fingerprint(path)
+        } else {
+            snooze_core::learned::fingerprint(path)
+        }
+    }
+
     fn signature(&self, path: &Path) -> Result<ModelSignature, LoadError> {
         if task_of(path) == Task::Transcription {
             return whisper::signature(path);

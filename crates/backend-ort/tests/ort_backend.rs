@@ -215,3 +215,32 @@ fn bad_requests_are_invalid_input_naming_the_tensor() {
     // The model stays usable after refusals.
     assert_eq!(m.infer(&all_types(), &[]).unwrap().len(), DataType::ALL.len());
 }
+
+/// A model named by its `.onnx` file is another version when only the external data
+/// it names changes (same size, same time: a retrain copied with `cp -p`); before, the
+/// server kept its old signature, footprint and cached copies until a restart.
+#[test]
+fn the_fingerprint_of_an_onnx_file_counts_its_external_data() {
+    let dir = std::env::temp_dir().join(format!("snooze-ort-fingerprint-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let onnx = dir.join("model.onnx");
+    std::fs::copy(model("mlp-400m/model.onnx"), &onnx).unwrap();
+    let data = dir.join("model.onnx.data");
+    let when = std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_700_000_000);
+    let write = |bytes: &[u8]| {
+        std::fs::write(&data, bytes).unwrap();
+        std::fs::File::options().write(true).open(&data).unwrap().set_modified(when).unwrap();
+    };
+    write(b"weights, version 1");
+    let b = backend();
+    let v1 = b.fingerprint(&onnx);
+    assert_eq!(b.fingerprint(&onnx), v1, "the same files, the same version");
+    write(b"weights, version 2");
+    assert_ne!(b.fingerprint(&onnx), v1, "new external data, the graph untouched");
+    // A folder, or a file with its weights inline, is fingerprinted as the core does it.
+    assert_eq!(b.fingerprint(&dir), snooze_core::learned::fingerprint(&dir));
+    let inline = model("mlp-10m/model.onnx");
+    assert_eq!(b.fingerprint(&inline), snooze_core::learned::fingerprint(&inline));
+    let _ = std::fs::remove_dir_all(&dir);
+}

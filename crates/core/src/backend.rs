@@ -245,6 +245,13 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// The model's inputs and outputs, read from its files without loading it.
     fn signature(&self, path: &std::path::Path) -> Result<ModelSignature, LoadError>;
+    /// Which version of the model's files is at `path` (see [`crate::learned::fingerprint`]):
+    /// another value after an unload, and the model's files are read again before its
+    /// next load. An engine whose model file names others (an ONNX file's external data)
+    /// counts those too, or new weights beside an untouched graph go unnoticed.
+    fn fingerprint(&self, path: &std::path::Path) -> String {
+        crate::learned::fingerprint(path)
+    }
     /// Whether what the model answers for one row depends on the other rows run beside
     /// it (dynamic quantization takes its scale from the whole batch). Such a model never
     /// merges requests into one run: a request's answer must not depend on who else sent one.

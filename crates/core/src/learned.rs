@@ -111,10 +111,15 @@ impl FootprintStore {
     }
 }
 
-/// What a learned footprint is kept under: the model's files ([`fingerprint`]) and the
-/// way its weights are held (each has its own footprint to learn).
-pub fn model_fingerprint(path: &Path, weights: crate::backend::Weights) -> String {
-    format!("{}|weights={}", fingerprint(path), weights.as_str())
+/// What a learned footprint is kept under: the model's files (their engine's
+/// [`Backend::fingerprint`](crate::backend::Backend::fingerprint)) and the way its
+/// weights are held (each has its own footprint to learn).
+pub fn model_fingerprint(
+    backend: &dyn crate::backend::Backend,
+    path: &Path,
+    weights: crate::backend::Weights,
+) -> String {
+    format!("{}|weights={}", backend.fingerprint(path), weights.as_str())
 }
 
 /// Identifies a model's files: their total size, newest modification time, and a hash
@@ -141,10 +146,17 @@ pub fn fingerprint(path: &Path) -> String {
     };
     match fs::read_dir(path) {
         Ok(entries) => {
+            // Each folder once: a link back to the folder or to one above it (`self -> .`)
+            // walked for ever, and the server never started.
+            let mut seen: std::collections::HashSet<PathBuf> = fs::canonicalize(path).into_iter().collect();
             let mut stack: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
             while let Some(p) = stack.pop() {
                 match fs::read_dir(&p) {
-                    Ok(more) => stack.extend(more.flatten().map(|e| e.path())),
+                    Ok(more) => {
+                        if fs::canonicalize(&p).map_or(true, |c| seen.insert(c)) {
+                            stack.extend(more.flatten().map(|e| e.path()));
+                        }
+                    }
                     Err(_) => visit(&p),
                 }
             }
@@ -190,6 +202,27 @@ pub fn unix_now() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A model folder with links back to itself and to its parent is walked once:
+    /// the fingerprint is the one without the links, and it comes back.
+    #[cfg(unix)]
+    #[test]
+    fn links_back_up_a_model_folder_are_walked_once() {
+        let root = std::env::temp_dir().join(format!("snooze-learned-loop-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let model = root.join("model");
+        fs::create_dir_all(&model).unwrap();
+        fs::write(model.join("model.onnx"), b"graph and weights").unwrap();
+        let plain = fingerprint(&model);
+        std::os::unix::fs::symlink(".", model.join("self")).unwrap();
+        std::os::unix::fs::symlink("..", model.join("up")).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let walked = model.clone();
+        std::thread::spawn(move || tx.send(fingerprint(&walked)));
+        let linked = rx.recv_timeout(std::time::Duration::from_secs(20)).expect("the walk ends");
+        assert_eq!(linked, plain);
+        let _ = fs::remove_dir_all(&root);
+    }
 
     #[test]
     fn survives_a_restart_and_forgets_changed_files() {

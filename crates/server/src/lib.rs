@@ -244,13 +244,14 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
             low_cpu_priority: m.low_cpu_priority,
         };
         let batch_dependent = backend.batch_dependent(&m.path);
+        let fingerprint = snooze_core::learned::model_fingerprint(&*backend, &m.path, weights);
         models.push(ModelEntry {
             policy,
             backend,
             path: m.path.clone(),
             signature,
             preload: m.preload,
-            fingerprint: snooze_core::learned::model_fingerprint(&m.path, weights),
+            fingerprint,
             weights,
             batch_dependent,
         });

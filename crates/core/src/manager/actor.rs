@@ -165,7 +165,7 @@ impl Actor {
             return false;
         }
         let (backend, path, weights) = &self.backends[model];
-        let now = crate::learned::model_fingerprint(path, *weights);
+        let now = crate::learned::model_fingerprint(&**backend, path, *weights);
         if now == self.fingerprints[model] {
             return false;
         }

@@ -217,6 +217,7 @@ fn setup_full(
                 preload: false,
                 // What the files at the path say (none): the files never change.
                 fingerprint: crate::learned::model_fingerprint(
+                    &*backend,
                     std::path::Path::new("/nowhere"),
                     crate::Weights::Prepacked,
                 ),
@@ -544,6 +545,7 @@ async fn a_full_gpu_falls_back_to_the_cpu_by_the_probe() {
         signature: Ok(batch_signature()),
         preload: false,
         fingerprint: crate::learned::model_fingerprint(
+            &*backend,
             std::path::Path::new("/nowhere"),
             crate::Weights::Prepacked,
         ),
