@@ -360,11 +360,13 @@ pub(crate) fn model_fingerprint(onnx: &Path) -> String {
     print
 }
 
-/// [`cache_stem`] of `onnx` as it was when its fingerprint was `fingerprint`.
+/// [`cache_stem`] of `onnx` as it was when its fingerprint was `fingerprint`. Keyed by
+/// the path as configured (absolute, links not followed), as its `.source` notes it: two
+/// links to one file have a copy each, so pointing one elsewhere removes only its own.
 fn stem_of(onnx: &Path, fingerprint: &str, runtime: &Path) -> String {
     let mut h = DefaultHasher::new();
     fingerprint.hash(&mut h);
-    std::fs::canonicalize(onnx).unwrap_or_else(|_| onnx.to_path_buf()).hash(&mut h);
+    std::path::absolute(onnx).unwrap_or_else(|_| onnx.to_path_buf()).hash(&mut h);
     runtime.hash(&mut h);
     let stem = onnx
         .parent()
@@ -468,11 +470,22 @@ mod tests {
                 assert!(path.exists(), "{} removed while the link's file is current", path.display());
             }
         }
+        // A second model linked to the same file keeps its copies when the first link
+        // is pointed elsewhere.
+        std::fs::create_dir_all(dir.join("other/ocr-det")).unwrap();
+        let other = dir.join("other/ocr-det/model.onnx");
+        std::os::unix::fs::symlink(&v1, &other).unwrap();
+        let others = entries(&other, &cache, runtime);
+        remember_source(&other, &cache, runtime);
+        let other_source = cache.join(format!("{}.source", cache_stem(&other, runtime)));
         std::fs::remove_file(&onnx).unwrap();
         std::os::unix::fs::symlink(&v2, &onnx).unwrap();
         collect_replaced(&cache);
         for path in made.iter().chain([&source]) {
             assert!(!path.exists(), "{} of the file the link left kept", path.display());
+        }
+        for path in others.iter().chain([&other_source]) {
+            assert!(path.exists(), "{} of a link still at the file removed", path.display());
         }
         let _ = std::fs::remove_dir_all(&dir);
     }
