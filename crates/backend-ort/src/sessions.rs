@@ -28,7 +28,11 @@ impl OrtBackend {
             }
             Ok(None) => (file.to_path_buf(), 0),
             Err(e) => {
-                tracing::warn!(model = %name, error = %e, "loading the .onnx: no mapped copy");
+                if weights::first_time(&format!("no mapped copy: {}", file.display())) {
+                    tracing::warn!(model = %name, error = %e, "loading the .onnx: no mapped copy (said once)");
+                } else {
+                    tracing::debug!(model = %name, error = %e, "loading the .onnx: no mapped copy");
+                }
                 (file.to_path_buf(), 0)
             }
         }

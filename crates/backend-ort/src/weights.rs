@@ -313,9 +313,14 @@ fn collect_replaced(cache_dir: &Path) {
             };
             match done {
                 Ok(()) => removed.push(suffix),
-                // The source stays: the next sweep tries again.
+                // The source stays: the next sweep tries again (a read-only state dir
+                // fails at every load: said once).
                 Err(e) => {
-                    tracing::warn!(entry = %path.display(), error = %e, "cannot remove a replaced model's cache entry");
+                    if first_time(&path.to_string_lossy()) {
+                        tracing::warn!(entry = %path.display(), error = %e, "cannot remove a replaced model's cache entry (said once)");
+                    } else {
+                        tracing::debug!(entry = %path.display(), error = %e, "cannot remove a replaced model's cache entry");
+                    }
                     return;
                 }
             }
@@ -323,6 +328,18 @@ fn collect_replaced(cache_dir: &Path) {
         let _ = std::fs::remove_file(&source);
         tracing::info!(model = %file.display(), entries = ?removed, stem, "removed the cached copies of a replaced version of the model");
     }
+}
+
+/// Whether `key` is seen for the first time in this process: a failure that repeats at
+/// every load (a read-only state dir) is a warning once, then a debug line.
+pub(crate) fn first_time(key: &str) -> bool {
+    static SEEN: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let mut seen = SEEN.lock().unwrap_or_else(|p| p.into_inner());
+    if seen.iter().any(|k| k == key) {
+        return false;
+    }
+    seen.push(key.to_string());
+    true
 }
 
 /// One line per cache entry made: `what` of `onnx`, now at `cache`.
@@ -488,6 +505,14 @@ mod tests {
             assert!(path.exists(), "{} of a link still at the file removed", path.display());
         }
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_repeated_failure_is_warned_of_once_per_key() {
+        let key = format!("test key {}", std::process::id());
+        assert!(first_time(&key));
+        assert!(!first_time(&key), "the second time is a debug line");
+        assert!(first_time(&format!("{key}, another entry")));
     }
 
     #[test]
