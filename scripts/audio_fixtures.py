@@ -1,6 +1,6 @@
 """Writes tests/fixtures/audio/: LibriVox clip 0880 (pocketsphinx-testdata, public domain)
 in the containers and codecs no Debian tool of `make system-packages` writes —
-M4A/AAC and M4A/ALAC, which the server decodes, and WebM/Opus, which it refuses by name.
+M4A/AAC, M4A/ALAC, WebM/Opus (a browser's MediaRecorder) and OGG/Opus (a voice note).
 
 Needs PyAV (`pip install av==18.1.0` in a scratch venv; not a dependency of the project,
 whose tests read the files committed):
@@ -45,6 +45,7 @@ def main():
     encode(samples, rate, os.path.join(OUT, "0880_aac.m4a"), "ipod", "aac", "fltp", 64000)
     encode(samples, rate, os.path.join(OUT, "0880_alac.m4a"), "ipod", "alac", "s16p")
     encode(samples, rate, os.path.join(OUT, "0880_opus.webm"), "webm", "libopus", "s16", 24000)
+    encode(samples, rate, os.path.join(OUT, "0880_opus.ogg"), "ogg", "libopus", "s16", 24000)
     for name in sorted(os.listdir(OUT)):
         print(name, os.path.getsize(os.path.join(OUT, name)))
 

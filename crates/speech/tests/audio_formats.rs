@@ -350,7 +350,7 @@ fn a_wav_of_unknown_length_is_read_to_its_end() {
 }
 
 #[test]
-fn m4a_with_aac_or_alac_is_decoded_and_opus_is_refused_by_name() {
+fn m4a_with_aac_or_alac_is_decoded() {
     // What phones' voice memos and browsers record (scripts/audio_fixtures.py made them
     // from clip 0880).
     let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/audio");
@@ -372,6 +372,58 @@ fn m4a_with_aac_or_alac_is_decoded_and_opus_is_refused_by_name() {
         assert_eq!((decoded.len(), lag), (reference.len(), 0), "{file}");
         assert!(!info.damaged, "{file}");
     }
-    let e = probe(read(&fixtures.join("0880_opus.webm")), &AudioLimits::default()).unwrap_err().to_string();
-    assert!(e.contains("WebM") && e.contains("Opus") && e.contains("M4A/AAC"), "{e}");
+}
+
+#[test]
+fn opus_in_webm_or_ogg_is_decoded() {
+    // A browser's MediaRecorder (WebM) and a voice note (OGG), both Opus at 24 kb/s
+    // (scripts/audio_fixtures.py made them from clip 0880); symphonia demuxes both and
+    // has no Opus decoder of its own.
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/audio");
+    let reference = pcm16_samples(&librivox("0880"));
+    for (file, container) in [("0880_opus.webm", "WebM"), ("0880_opus.ogg", "OGG")] {
+        let path = fixtures.join(file);
+        let info = probe(read(&path), &AudioLimits::default()).unwrap();
+        assert_eq!((info.source.container, info.source.codec.as_str()), (container, "Opus"), "{file}");
+        assert_eq!(info.source.sample_rate, 48_000, "{file}");
+        assert!(!info.damaged, "{file}: {info:?}");
+        let decoded = decode(&path);
+        let (snr, lag) = aligned_snr_db(&reference, &decoded, 2048);
+        println!(
+            "{file}: {} samples (original {}), SNR {snr:.1} dB at lag {lag}",
+            decoded.len(),
+            reference.len()
+        );
+        // 9.5 dB: libopus's own decode of these files is as far from the original (the
+        // 48 kHz output of this decoder and libopus 1.5's agree to 62.7 dB, lag 0).
+        assert!(snr > 8.0, "{file}: SNR {snr:.1} dB at lag {lag}");
+        // The encoder's pre-skip is cut: the speech is where it was.
+        assert!(lag.abs() <= 1, "{file}: lag {lag}");
+        // At most the last 20 ms frame's padding more.
+        assert!(
+            decoded.len() >= reference.len() && decoded.len() <= reference.len() + 320,
+            "{file}: {}",
+            decoded.len()
+        );
+    }
+}
+
+#[test]
+fn damaged_opus_is_read_around_or_refused() {
+    // Bytes flipped all through the packets (past the headers): every answer is audio
+    // marked damaged or an error, never a panic or a hang.
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/audio");
+    for file in ["0880_opus.webm", "0880_opus.ogg"] {
+        let clean = std::fs::read(fixtures.join(file)).unwrap();
+        for (step, start) in [(37, 400), (101, 300), (7, 2_000)] {
+            let mut bytes = clean.clone();
+            for i in (start..bytes.len()).step_by(step) {
+                bytes[i] ^= 0x5a;
+            }
+            match probe(Bytes::from(bytes), &AudioLimits::default()) {
+                Ok(info) => assert!(info.damaged || info.samples > 0, "{file} {step}: {info:?}"),
+                Err(e) => assert!(!e.to_string().is_empty(), "{file} {step}"),
+            }
+        }
+    }
 }

@@ -3,8 +3,8 @@
 //!
 //! Symphonia finds the container by its content (no file name needed) and decodes
 //! WAV (integer, float, A-law, mu-law PCM; WAVE_FORMAT_EXTENSIBLE), FLAC, MP3,
-//! OGG/Vorbis and MP4/M4A with AAC or ALAC (WebM/Matroska is read, but its usual codec,
-//! Opus, is not decoded: refused by name). Around it, this file holds the rules
+//! OGG/Vorbis and MP4/M4A with AAC or ALAC; Opus (in WebM or OGG), which it demuxes,
+//! is decoded by `opus.rs`. Around it, this file holds the rules
 //! symphonia leaves to its caller:
 //!
 //! * **Counting.** Nothing is sized from a header: the duration is the number of
@@ -37,7 +37,7 @@ use std::{
 use bytes::Bytes;
 use symphonia::core::{
     audio::{AudioBuffer, AudioBufferRef, Signal},
-    codecs::{CodecParameters, CodecType, Decoder, DecoderOptions, CODEC_TYPE_NULL, CODEC_TYPE_OPUS},
+    codecs::{CodecParameters, CodecRegistry, CodecType, Decoder, DecoderOptions, CODEC_TYPE_NULL},
     conv::IntoSample,
     errors::Error as SymphoniaError,
     formats::{FormatOptions, FormatReader, Packet},
@@ -61,11 +61,20 @@ const PADDING_FRAMES: usize = 4;
 /// first frame's.
 const SPEC_CHANGED: &str = "invalid audio buffer signal spec";
 
+/// symphonia's codecs and Opus (see `opus.rs`), which it demuxes but cannot decode.
+fn codecs() -> &'static CodecRegistry {
+    static CODECS: std::sync::LazyLock<CodecRegistry> = std::sync::LazyLock::new(|| {
+        let mut registry = CodecRegistry::new();
+        symphonia::default::register_enabled_codecs(&mut registry);
+        registry.register_all::<super::opus::OpusDecoder>();
+        registry
+    });
+    &CODECS
+}
+
 /// A decoder for `params`, made under `catch_unwind` as every call into symphonia is.
 fn make_decoder(params: &CodecParameters) -> std::thread::Result<Result<Box<dyn Decoder>, SymphoniaError>> {
-    catch_unwind(AssertUnwindSafe(|| {
-        symphonia::default::get_codecs().make(params, &DecoderOptions::default())
-    }))
+    catch_unwind(AssertUnwindSafe(|| codecs().make(params, &DecoderOptions::default())))
 }
 
 /// A track being decoded, one packet per call.
@@ -200,8 +209,7 @@ impl TrackDecoder {
         if params.channels.is_some_and(|c| c.count() == 0) {
             return Err(AudioError::AbsurdParameters(format!("the {container} audio declares 0 channels")));
         }
-        let registry = symphonia::default::get_codecs();
-        let codec = match (registry.get_codec(params.codec), wav_format) {
+        let codec = match (codecs().get_codec(params.codec), wav_format) {
             (Some(descriptor), _) => descriptor.long_name.to_string(),
             (None, Some(wav)) => riff::format_name(wav.format_tag),
             (None, None) => codec_name(params.codec),
@@ -217,7 +225,8 @@ impl TrackDecoder {
                 return Err(AudioError::Corrupt(format!("the {container} codec setup is invalid: {e}")))
             }
         };
-        let declared_frames = params.n_frames;
+        // An OGG's length counts Opus's pre-skip, which the decoder drops.
+        let declared_frames = params.n_frames.map(|n| n.saturating_sub(super::opus::pre_skip(&params)));
         let source = SourceFormat {
             container,
             codec,
@@ -425,12 +434,9 @@ fn uncut(mut packet: Packet) -> Packet {
     packet
 }
 
-/// A codec symphonia knows by number but cannot decode here, by its name.
+/// A codec symphonia knows by number but cannot decode here.
 fn codec_name(codec: CodecType) -> String {
-    match codec {
-        CODEC_TYPE_OPUS => "Opus".into(),
-        other => format!("codec {other}"),
-    }
+    format!("codec {codec}")
 }
 
 /// Averages the channels of a decoded buffer into `mono`, as ffmpeg's downmix to one

@@ -2,7 +2,7 @@
 //! reads.
 //!
 //! WAV (8/16/24/32-bit integer, 32/64-bit float, A-law, mu-law, WAVE_FORMAT_EXTENSIBLE),
-//! FLAC, MP3, OGG/Vorbis and MP4/M4A (AAC, ALAC) are recognised by their content, decoded by symphonia,
+//! FLAC, MP3, OGG/Vorbis, Opus (WebM, OGG) and MP4/M4A (AAC, ALAC) are recognised by their content, decoded by symphonia (Opus by `opus.rs`),
 //! averaged to one channel and resampled to 16 kHz. Two ways in:
 //!
 //! * [`probe`] decodes the whole file once and keeps nothing but counts: how long it
@@ -23,6 +23,7 @@
 
 mod decode;
 mod mp4;
+mod opus;
 mod resample;
 mod riff;
 mod stream;
@@ -95,17 +96,19 @@ impl AudioInfo {
 /// Why an upload cannot be used as audio. Each message is a sentence for the user.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum AudioError {
-    #[error("the upload is empty: send an audio file (WAV, FLAC, MP3, OGG/Vorbis or M4A/AAC)")]
+    #[error(
+        "the upload is empty: send an audio file (WAV, FLAC, MP3, OGG (Vorbis, Opus), WebM/Opus or M4A/AAC)"
+    )]
     NoData,
     #[error(
-        "the upload is not audio in a format this server reads: send WAV, FLAC, MP3, OGG/Vorbis or M4A/AAC"
+        "the upload is not audio in a format this server reads: send WAV, FLAC, MP3, OGG (Vorbis, Opus), WebM/Opus or M4A/AAC"
     )]
     UnknownFormat,
     #[error("the {container} file holds no audio track")]
     NoAudioTrack { container: &'static str },
     #[error(
         "the {container} file's audio is encoded as {codec}, which this server cannot decode: \
-         convert it to PCM WAV, FLAC, MP3, OGG/Vorbis or M4A/AAC"
+         convert it to PCM WAV, FLAC, MP3, OGG (Vorbis, Opus), WebM/Opus or M4A/AAC"
     )]
     UnsupportedCodec { container: &'static str, codec: String },
     #[error("the audio cannot be used: {0}")]

@@ -1,0 +1,153 @@
+//! Opus, the codec of browsers' recordings (WebM from `MediaRecorder`) and of voice notes
+//! (OGG/Opus), which symphonia 0.5 demuxes but cannot decode: a symphonia [`Decoder`]
+//! over `opus-decoder`, a pure-Rust port of libopus that passes the RFC 8251 test
+//! vectors (no C library to build or ship).
+//!
+//! Output is at 48 kHz, Opus's own rate, in the stream's channels (1 or 2): the audio
+//! stream downmixes and resamples as for any codec. The encoder's pre-skip (`OpusHead`,
+//! 312 samples from libopus) is dropped from the start, as RFC 7845 says, and the
+//! header's output gain applied. Streams of more than two channels (channel mapping
+//! family 1, surround) are refused by name.
+
+use opus_decoder::OpusDecoder as Inner;
+use symphonia::core::{
+    audio::{AsAudioBufferRef, AudioBuffer, AudioBufferRef, Channels, Signal, SignalSpec},
+    codecs::{CodecDescriptor, CodecParameters, Decoder, DecoderOptions, FinalizeResult, CODEC_TYPE_OPUS},
+    errors::{decode_error, unsupported_error, Result},
+    formats::Packet,
+};
+
+/// The rate every Opus stream decodes to here.
+const RATE: u32 = 48_000;
+
+/// The longest packet: 120 ms at 48 kHz, per channel.
+const MAX_FRAMES: usize = 5_760;
+
+pub(crate) struct OpusDecoder {
+    inner: Inner,
+    params: CodecParameters,
+    channels: usize,
+    /// Samples per channel still to drop from the start (the encoder's pre-skip).
+    skip: usize,
+    /// Linear factor of the header's output gain.
+    gain: f32,
+    pcm: Vec<f32>,
+    buf: AudioBuffer<f32>,
+}
+
+/// What `OpusHead` (RFC 7845 section 5.1: in the OGG stream's first packet, WebM's
+/// `CodecPrivate`) says: (channels, pre-skip, output gain in dB, channel mapping family).
+fn head(extra: &[u8]) -> Option<(u8, u16, f32, u8)> {
+    if extra.len() < 19 || &extra[..8] != b"OpusHead" {
+        return None;
+    }
+    let gain_q8 = i16::from_le_bytes([extra[16], extra[17]]);
+    Some((extra[9], u16::from_le_bytes([extra[10], extra[11]]), f32::from(gain_q8) / 256.0, extra[18]))
+}
+
+/// The samples an Opus stream's decoder drops from its start (0 for other codecs).
+pub(crate) fn pre_skip(params: &CodecParameters) -> u64 {
+    if params.codec != CODEC_TYPE_OPUS {
+        return 0;
+    }
+    params.extra_data.as_deref().and_then(head).map_or(params.delay.unwrap_or(0).into(), |h| h.1.into())
+}
+
+impl Decoder for OpusDecoder {
+    fn try_new(params: &CodecParameters, _options: &DecoderOptions) -> Result<Self> {
+        let header = params.extra_data.as_deref().and_then(head);
+        let (channels, pre_skip, gain_db) = match header {
+            Some((_, _, _, family)) if family != 0 => {
+                return unsupported_error("Opus with more than two channels (channel mapping family 1)")
+            }
+            Some((channels, pre_skip, gain_db, _)) => (usize::from(channels), usize::from(pre_skip), gain_db),
+            None => (params.channels.map_or(1, |c| c.count()), params.delay.unwrap_or(0) as usize, 0.0),
+        };
+        let layout = match channels {
+            1 => Channels::FRONT_LEFT,
+            2 => Channels::FRONT_LEFT | Channels::FRONT_RIGHT,
+            0 => return decode_error("opus: the header declares 0 channels"),
+            _ => return unsupported_error("Opus with more than two channels"),
+        };
+        let inner =
+            Inner::new(RATE, channels).map_err(|_| symphonia::core::errors::Error::Unsupported("opus"))?;
+        Ok(OpusDecoder {
+            inner,
+            params: params.clone(),
+            channels,
+            skip: pre_skip,
+            gain: 10f32.powf(gain_db / 20.0),
+            pcm: vec![0.0; MAX_FRAMES * channels],
+            buf: AudioBuffer::new(MAX_FRAMES as u64, SignalSpec::new(RATE, layout)),
+        })
+    }
+
+    fn supported_codecs() -> &'static [CodecDescriptor] {
+        &[symphonia::core::support_codec!(CODEC_TYPE_OPUS, "opus", "Opus")]
+    }
+
+    fn reset(&mut self) {
+        self.inner.reset();
+    }
+
+    fn codec_params(&self) -> &CodecParameters {
+        &self.params
+    }
+
+    fn decode(&mut self, packet: &Packet) -> Result<AudioBufferRef<'_>> {
+        self.buf.clear();
+        // An empty packet would ask for loss concealment: nothing was lost in a file.
+        if packet.buf().is_empty() {
+            return Ok(self.buf.as_audio_buffer_ref());
+        }
+        let frames = match self.inner.decode_float(packet.buf(), &mut self.pcm, false) {
+            Ok(n) => n.min(MAX_FRAMES),
+            Err(e) => return decode_error(opus_error(&e)),
+        };
+        let dropped = self.skip.min(frames);
+        self.skip -= dropped;
+        let kept = frames - dropped;
+        self.buf.render_reserved(Some(kept));
+        for ch in 0..self.channels {
+            let out = self.buf.chan_mut(ch);
+            for (i, sample) in out.iter_mut().enumerate() {
+                *sample = self.pcm[(dropped + i) * self.channels + ch] * self.gain;
+            }
+        }
+        Ok(self.buf.as_audio_buffer_ref())
+    }
+
+    fn finalize(&mut self) -> FinalizeResult {
+        FinalizeResult::default()
+    }
+
+    fn last_decoded(&self) -> AudioBufferRef<'_> {
+        self.buf.as_audio_buffer_ref()
+    }
+}
+
+/// symphonia's decode errors are static strings: the kinds of damage, by name.
+fn opus_error(e: &opus_decoder::OpusError) -> &'static str {
+    match e {
+        opus_decoder::OpusError::BufferTooSmall => "opus: a packet decodes to more than 120 ms",
+        _ => "opus: a packet is not valid Opus",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_header_gives_channels_pre_skip_gain_and_family() {
+        let mut h = b"OpusHead".to_vec();
+        h.extend([1, 2]); // version, channels
+        h.extend(312u16.to_le_bytes());
+        h.extend(48_000u32.to_le_bytes());
+        h.extend((-256i16).to_le_bytes()); // -1 dB
+        h.push(0);
+        assert_eq!(head(&h), Some((2, 312, -1.0, 0)));
+        assert_eq!(head(&h[..18]), None, "cut short");
+        assert_eq!(head(b"OpusTags and more bytes"), None);
+    }
+}
