@@ -1,6 +1,7 @@
 """Writes tests/fixtures/audio/: LibriVox clip 0880 (pocketsphinx-testdata, public domain)
 in the containers and codecs no Debian tool of `make system-packages` writes —
-M4A/AAC, M4A/ALAC, WebM/Opus (a browser's MediaRecorder) and OGG/Opus (a voice note).
+M4A/AAC, M4A/ALAC, WebM/Opus (a browser's MediaRecorder, voice alone and with a camera's
+video) and OGG/Opus (a voice note).
 
 Needs PyAV (`pip install av==18.1.0` in a scratch venv; not a dependency of the project,
 whose tests read the files committed):
@@ -37,6 +38,32 @@ def encode(samples, rate, path, container, codec, sample_fmt, bit_rate=None):
             out.mux(packet)
 
 
+def camera_webm(samples, path):
+    """What a browser records from a camera and a microphone: a VP8 video track first,
+    then the voice as stereo Opus at 48 kHz."""
+    with av.open(path, "w", format="webm") as out:
+        video = out.add_stream("libvpx", rate=10)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        audio = out.add_stream("libopus", rate=48000, layout="stereo")
+        for i in range(30):
+            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), i * 8, dtype=np.uint8), format="rgb24")
+            frame.pts = i
+            for packet in video.encode(frame):
+                out.mux(packet)
+        for packet in video.encode(None):
+            out.mux(packet)
+        # 16 kHz to 48 kHz by repetition: crude, but the voice's words are all there.
+        stereo = np.stack([np.repeat(samples, 3)] * 2)
+        for start in range(0, stereo.shape[1], 960):
+            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(stereo[:, start:start + 960]),
+                                               format="s16p", layout="stereo")
+            frame.sample_rate, frame.pts = 48000, start
+            for packet in audio.encode(frame):
+                out.mux(packet)
+        for packet in audio.encode(None):
+            out.mux(packet)
+
+
 def main():
     with wave.open(CLIP) as w:
         rate = w.getframerate()
@@ -46,6 +73,7 @@ def main():
     encode(samples, rate, os.path.join(OUT, "0880_alac.m4a"), "ipod", "alac", "s16p")
     encode(samples, rate, os.path.join(OUT, "0880_opus.webm"), "webm", "libopus", "s16", 24000)
     encode(samples, rate, os.path.join(OUT, "0880_opus.ogg"), "ogg", "libopus", "s16", 24000)
+    camera_webm(samples, os.path.join(OUT, "0880_camera.webm"))
     for name in sorted(os.listdir(OUT)):
         print(name, os.path.getsize(os.path.join(OUT, name)))
 

@@ -381,10 +381,14 @@ fn opus_in_webm_or_ogg_is_decoded() {
     // has no Opus decoder of its own.
     let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/audio");
     let reference = pcm16_samples(&librivox("0880"));
-    for (file, container) in [("0880_opus.webm", "WebM"), ("0880_opus.ogg", "OGG")] {
+    // And a camera's recording: its VP8 video track first, the voice as stereo Opus.
+    for (file, container, channels) in
+        [("0880_opus.webm", "WebM", 1), ("0880_opus.ogg", "OGG", 1), ("0880_camera.webm", "WebM", 2)]
+    {
         let path = fixtures.join(file);
         let info = probe(read(&path), &AudioLimits::default()).unwrap();
         assert_eq!((info.source.container, info.source.codec.as_str()), (container, "Opus"), "{file}");
+        assert_eq!(info.source.channels, channels, "{file}");
         assert_eq!(info.source.sample_rate, 48_000, "{file}");
         assert!(!info.damaged, "{file}: {info:?}");
         let decoded = decode(&path);
