@@ -365,7 +365,10 @@ pub async fn serve(
         tracing::info!("shutting down: refusing new work, waiting for requests in flight");
         drain.begin_shutdown();
         let timeout = drain.settings.shutdown_timeout;
-        if drain.manager.shutdown(timeout).await {
+        // A document's stages are separate requests to the core, which refuses new ones
+        // once it shuts down: the documents being read finish first, in the same time.
+        let waited = drain.documents_finished(timeout).await;
+        if drain.manager.shutdown(timeout.saturating_sub(waited)).await {
             tracing::info!("all models unloaded");
             // Every answer is made; a slow reader gets this long to take it.
             CLOSE_GRACE

@@ -422,3 +422,22 @@ fn a_long_pdf_is_read_in_page_batches_whose_memory_does_not_grow_with_its_length
         eight >> 20
     );
 }
+
+#[test]
+fn a_document_being_read_at_sigterm_is_read_to_the_end() {
+    // Its stages are requests of their own to the core: the detector ran, then the
+    // shutdown unloaded the idle classifier and recogniser and refused the document's
+    // next stage (a 503 mid-document on every rolling deploy).
+    let server = Server::start("ocr-sigterm", &config(""), &[]);
+    let page = std::fs::read(fixtures().join("ocr_pages/columns.png")).unwrap();
+    let (status, warm) = ocr(&server, page.clone(), "columns.png", &[]);
+    assert_eq!(status, 200, "{warm}");
+    let base = server.base.clone();
+    let reading = thread::spawn(move || audio::post_ocr(&base, &page, "columns.png", &[]));
+    server.wait_for("the detector to run", |s| s.model("ocr-det")["leases"].as_u64() == Some(1));
+    let exit = server.terminate();
+    let (status, body) = reading.join().unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(lines(&body["pages"][0]), lines(&warm["pages"][0]));
+    assert!(exit.success(), "{exit:?}");
+}

@@ -18,7 +18,7 @@ pub mod speech;
 
 use std::{
     sync::{
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
         Arc,
     },
     time::SystemTime,
@@ -49,7 +49,19 @@ pub struct Inner {
     /// The OCR pipelines (`/v1/ocr`).
     pub pipelines: ocr::Pipelines,
     pub shutting_down: AtomicBool,
+    /// Documents being read (`/v1/ocr`): each stage is a request of its own to the core,
+    /// so a shutdown waits for these before the core refuses new work (see `serve`).
+    pub documents_in_flight: AtomicUsize,
     pub started: SystemTime,
+}
+
+/// Counts one document in flight while it lives (see [`Inner::documents_in_flight`]).
+pub struct DocumentInFlight<'a>(&'a AtomicUsize);
+
+impl Drop for DocumentInFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl std::ops::Deref for AppState {
@@ -77,6 +89,7 @@ impl AppState {
             settings,
             memory,
             shutting_down: AtomicBool::new(false),
+            documents_in_flight: AtomicUsize::new(0),
             started: SystemTime::now(),
         }))
     }
@@ -87,6 +100,25 @@ impl AppState {
 
     pub fn is_shutting_down(&self) -> bool {
         self.shutting_down.load(Ordering::SeqCst)
+    }
+
+    /// Admits a document (as [`AppState::admit`]) and counts it in flight until the
+    /// returned guard drops: counted before the shutdown flag is read again, so a
+    /// shutdown that begins meanwhile either refuses it or waits for it.
+    pub fn admit_document(&self) -> Result<DocumentInFlight<'_>, SnoozeError> {
+        self.documents_in_flight.fetch_add(1, Ordering::SeqCst);
+        let counted = DocumentInFlight(&self.documents_in_flight);
+        self.admit()?;
+        Ok(counted)
+    }
+
+    /// Waits, at most `timeout`, until no document is in flight; how long it waited.
+    pub async fn documents_finished(&self, timeout: std::time::Duration) -> std::time::Duration {
+        let started = std::time::Instant::now();
+        while self.documents_in_flight.load(Ordering::SeqCst) > 0 && started.elapsed() < timeout {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        started.elapsed()
     }
 
     /// Refuses new work once shutdown began.

@@ -59,7 +59,8 @@ async fn read_once(
     body: Body,
     seen: &mut Option<String>,
 ) -> Result<Response, OpenAiError> {
-    state.admit()?;
+    // Its stages are requests of their own: a shutdown lets the document finish first.
+    let _in_flight = state.admit_document()?;
     let mut charge = state.request_memory.charge();
     // Media types are case-insensitive (`Application/JSON`); the boundary is not, and is
     // parsed from the header as sent.
