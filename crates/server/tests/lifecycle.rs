@@ -236,6 +236,9 @@ fn lru_evictions_refusals_and_memory_given_back() {
     }
     assert_eq!(s.log_lines("\"model loaded").len(), 6);
     assert!(!s.log_lines("request refused").is_empty(), "the 503 is logged");
+    let twice: Vec<String> =
+        s.log_lines("request failed").into_iter().filter(|l| l.contains("insufficient_memory")).collect();
+    assert!(twice.is_empty(), "each refusal is logged once, by the core: {twice:?}");
     let status = s.terminate();
     assert!(status.success(), "exit status {status:?}");
     // 1.2 GB of converted copies: not left for every run.

@@ -473,6 +473,7 @@ impl Actor {
                     ErrorKind::InsufficientMemory | ErrorKind::QueueFull | ErrorKind::Overloaded
                 ) {
                     tracing::warn!(
+                        model = %name,
                         retry_after_ms = e.retry_after.map(|d| d.as_millis() as u64),
                         code = e.kind.code(),
                         reason = %e,

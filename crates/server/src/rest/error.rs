@@ -33,7 +33,15 @@ impl From<SnoozeError> for AppError {
 pub fn error_response(e: &SnoozeError, body: Value) -> Response {
     let status = status_of(e);
     if status.is_server_error() {
-        tracing::warn!(status = status.as_u16(), code = e.kind.code(), error = %e.message, "request failed");
+        // The core logs the refusals it makes (with the model and its reason), and the
+        // server's own load shedding is counted in snooze_refusals_total: a second WARN
+        // line per refused request only doubled what a client retrying on Retry-After
+        // writes to the log.
+        if matches!(e.kind, ErrorKind::InsufficientMemory | ErrorKind::QueueFull | ErrorKind::Overloaded) {
+            tracing::debug!(status = status.as_u16(), code = e.kind.code(), error = %e.message, "request refused");
+        } else {
+            tracing::warn!(status = status.as_u16(), code = e.kind.code(), error = %e.message, "request failed");
+        }
     }
     let mut resp = (status, Json(body)).into_response();
     let headers = resp.headers_mut();
