@@ -380,6 +380,7 @@ impl Scheduler {
                     name,
                     device,
                     n,
+                    self.slots[model].admission_source(),
                     room.headroom,
                     self.budget(device),
                     baseline,

@@ -14,23 +14,48 @@ fn at_least_a_second(d: Duration) -> Duration {
     d.max(Duration::from_secs(1))
 }
 
+/// Where a footprint came from, for a refusal to say what to do about it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum FootprintSource {
+    /// The model's `memory` setting.
+    Configured,
+    /// Measured on a load or a run (now or before a restart).
+    Measured,
+    /// Estimated from the model's files: never loaded, so never measured.
+    Estimated,
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(super) fn never_fits(
     name: &str,
     device: &Device,
     need: u64,
+    source: FootprintSource,
     headroom: u64,
     budget: u64,
     baseline: u64,
     pinned: u64,
     retry_after: Duration,
 ) -> SnoozeError {
+    let what = match source {
+        FootprintSource::Configured => "footprint, its `memory` setting",
+        FootprintSource::Measured => "footprint as measured",
+        FootprintSource::Estimated => "footprint estimated from its files",
+    };
+    // An estimate is all a model never loaded has, and a refusal on it is never lifted
+    // by a measurement: the operator who knows better is told how to say so.
+    let fix = match source {
+        FootprintSource::Estimated => {
+            "raise host_memory_limit, or, if the model needs less than estimated, set `memory` in its table"
+        }
+        FootprintSource::Configured => "raise host_memory_limit or lower the model's `memory`",
+        FootprintSource::Measured => "raise host_memory_limit",
+    };
     SnoozeError::new(
         ErrorKind::InsufficientMemory,
         format!(
-            "model '{name}' needs {} on {device} (footprint {} + headroom {}), more than the budget can ever \
-             give it: {} budget - {} server baseline - {} pinned models = {} free at best; raise \
-             host_memory_limit or lower the model's memory",
+            "model '{name}' needs {} on {device} ({what} {} + headroom {}), more than the budget can ever \
+             give it: {} budget - {} server baseline - {} pinned models = {} free at best; {fix}",
             fb(need.saturating_add(headroom)),
             fb(need),
             fb(headroom),

@@ -250,6 +250,18 @@ impl ModelSlot {
             .or(larger(self.policy.estimate_peak, self.policy.estimate_steady))
     }
 
+    /// Where [`Self::admission_bytes`] comes from.
+    pub(super) fn admission_source(&self) -> super::refusal::FootprintSource {
+        use super::refusal::FootprintSource;
+        if self.policy.memory.is_some() {
+            FootprintSource::Configured
+        } else if self.learned_peak_bytes.or(self.learned_bytes).is_some() {
+            FootprintSource::Measured
+        } else {
+            FootprintSource::Estimated
+        }
+    }
+
     /// Bytes the model holds once loaded.
     pub fn resident_bytes(&self) -> u64 {
         self.policy

@@ -81,6 +81,24 @@ fn rule3_admission_uses_estimate_plus_headroom_and_baseline() {
     assert_eq!(e.kind, ErrorKind::InsufficientMemory);
     assert!(e.retry_after.is_some() && e.message.contains("can ever"), "{}", e.message);
     assert_eq!(h.evictions(), Vec::<String>::new(), "a model that can never fit evicts nobody");
+    // Never loaded, never measured: the operator is told the figure is an estimate
+    // and how to give a better one.
+    assert!(
+        e.message.contains("estimated from its files") && e.message.contains("set `memory`"),
+        "{}",
+        e.message
+    );
+}
+
+#[test]
+fn rule3_a_refusal_says_where_the_footprint_came_from() {
+    let mut h = Harness::new(300, &[("measured", 100), ("configured", 100)]);
+    h.s.set_learned(0, Some(400 * MB), None);
+    let e = h.call("measured").unwrap_err();
+    assert!(e.message.contains("as measured") && !e.message.contains("set `memory`"), "{}", e.message);
+    let mut h = Harness::with(300, &[("configured", 100)], |p| p.memory = Some(400 * MB));
+    let e = h.call("configured").unwrap_err();
+    assert!(e.message.contains("its `memory` setting"), "{}", e.message);
 }
 
 #[test]
