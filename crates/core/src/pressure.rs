@@ -80,6 +80,9 @@ pub struct Alert {
     /// Set once the level fell back below the alert's level.
     pub resolved_unix_ms: Option<u64>,
     pub message: String,
+    /// Its end was logged (once it stayed below for [`REOPEN_MS`]).
+    #[serde(skip)]
+    pub end_logged: bool,
 }
 
 /// Readings of the last `window_ms` and the alerts they raised.
@@ -92,6 +95,10 @@ pub struct PressureState {
 
 const WINDOW_MS: u64 = 5 * 60 * 1000;
 const MAX_ALERTS: usize = 100;
+/// A level that comes back this soon after an alert at it ended continues that alert
+/// (a process hovering at the threshold dips under it between readings); an alert's
+/// end is logged once it stayed over this long.
+pub const REOPEN_MS: u64 = 10_000;
 
 impl PressureState {
     /// Records a reading; returns the level it puts the server at.
@@ -103,7 +110,25 @@ impl PressureState {
         for a in self.alerts.iter_mut().filter(|a| a.resolved_unix_ms.is_none() && r.level < a.level) {
             a.resolved_unix_ms = Some(r.unix_ms);
         }
-        if r.level > self.level && r.level >= PressureLevel::Warning {
+        for a in self.alerts.iter_mut().filter(|a| !a.end_logged) {
+            if let Some(end) = a.resolved_unix_ms.filter(|end| r.unix_ms.saturating_sub(*end) >= REOPEN_MS) {
+                a.end_logged = true;
+                tracing::info!(
+                    level = ?a.level,
+                    lasted_s = end.saturating_sub(a.since_unix_ms) as f64 / 1000.0,
+                    "memory pressure {:?} over",
+                    a.level
+                );
+            }
+        }
+        let resumed = self.alerts.iter_mut().rev().find(|a| {
+            a.level == r.level
+                && !a.end_logged
+                && a.resolved_unix_ms.is_some_and(|end| r.unix_ms.saturating_sub(end) < REOPEN_MS)
+        });
+        if let Some(a) = resumed.filter(|_| r.level > self.level) {
+            a.resolved_unix_ms = None;
+        } else if r.level > self.level && r.level >= PressureLevel::Warning {
             let pct = r.process_bytes as f64 * 100.0 / r.budget_bytes.max(1) as f64;
             let message = format!(
                 "memory pressure {:?}: the process holds {:.0}% of its budget ({} of {})",
@@ -118,6 +143,7 @@ impl PressureState {
                 since_unix_ms: r.unix_ms,
                 resolved_unix_ms: None,
                 message,
+                end_logged: false,
             });
             if self.alerts.len() > MAX_ALERTS {
                 self.alerts.remove(0);
@@ -179,5 +205,26 @@ mod tests {
         assert_eq!(s.alerts.len(), 2);
         s.record(reading(3_000 + WINDOW_MS + 1, 50));
         assert!(s.history.iter().all(|r| r.unix_ms > 3_000), "older than five minutes dropped");
+    }
+
+    #[test]
+    fn a_level_that_flaps_at_its_threshold_is_one_alert() {
+        // 81%, a reading at 75% 6 ms later, 81% again 2 s later: one episode (it was two
+        // WARN lines, and no line said when it ended).
+        let mut s = PressureState::default();
+        s.record(reading(0, 10));
+        s.record(reading(1_000, 81));
+        s.record(reading(1_006, 75));
+        assert_eq!(s.active_alerts().count(), 0);
+        assert_eq!(s.record(reading(3_000, 81)), PressureLevel::Warning);
+        assert_eq!((s.alerts.len(), s.active_alerts().count()), (1, 1), "{:?}", s.alerts);
+        s.record(reading(4_000, 50));
+        s.record(reading(4_000 + REOPEN_MS - 1, 50));
+        assert!(!s.alerts[0].end_logged, "not over until it stayed under");
+        s.record(reading(4_000 + REOPEN_MS, 50));
+        assert!(s.alerts[0].end_logged);
+        // Back later: a new episode.
+        s.record(reading(5_000 + REOPEN_MS, 90));
+        assert_eq!((s.alerts.len(), s.active_alerts().count()), (2, 1));
     }
 }
