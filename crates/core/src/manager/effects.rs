@@ -25,6 +25,9 @@ fn spawn_run(low_priority: bool, run: impl FnOnce() + Send + 'static) {
     }
 }
 
+/// Held while an unload drops its model and measures what came back (see `start_unload`).
+pub(super) static UNLOADING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 impl Actor {
     pub(super) fn start_run(&mut self, model: ModelId, reqs: Vec<RequestId>, max_rows: u32) {
         let mut jobs: Vec<(RequestId, Job)> =
@@ -87,20 +90,26 @@ impl Actor {
             // heap trim returns) is not a run's to count.
             let work = execution::WORK.begin();
             let started = Instant::now();
-            let before = memory::process_rss_bytes();
             let gpu_before = gpu.as_ref().map(|p| p.snapshot().process_bytes);
             let took = loaded.as_ref().and_then(|l| l.grew);
+            // One unload measured at a time: the process's RSS is shared, so unloads side
+            // by side (a gc, a shutdown, an emergency) each counted all of theirs as its
+            // own ("368 MiB returned" twice), and the check below was masked or tripped
+            // by a neighbour. A drop and a trim take milliseconds.
+            let one_at_a_time = UNLOADING.lock().unwrap_or_else(|p| p.into_inner());
+            let before = memory::process_rss_bytes();
             drop(loaded);
             memory::trim_heap();
-            if let (Some(probe), Some(held)) = (&gpu, gpu_before) {
-                wait_for_gpu_release(probe.as_ref(), held, bytes);
-            }
             let mut freed = before.saturating_sub(memory::process_rss_bytes());
             // The memory a load took must come back: if not, trim once more, then say so.
             let short = |freed: u64| took.is_some_and(|t| freed.saturating_add((16 << 20).max(t / 10)) < t);
             if short(freed) {
                 memory::trim_heap();
                 freed = before.saturating_sub(memory::process_rss_bytes());
+            }
+            drop(one_at_a_time);
+            if let (Some(probe), Some(held)) = (&gpu, gpu_before) {
+                wait_for_gpu_release(probe.as_ref(), held, bytes);
             }
             let mut a = audit.lock().unwrap_or_else(|p| p.into_inner());
             a.unloads += 1;

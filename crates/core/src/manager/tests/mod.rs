@@ -83,10 +83,21 @@ struct FakeModel {
     gate: Arc<Gate>,
     runs: Arc<Mutex<Vec<i64>>>,
     run_nice: Arc<Mutex<Vec<Option<i32>>>>,
+    /// Models named `slow-drop*` take this long to drop, counted in `SLOW_DROPS`.
+    drop_pause: Duration,
 }
+
+/// Slow drops running now, and the most ever at once.
+static SLOW_DROPS: (AtomicUsize, AtomicUsize) = (AtomicUsize::new(0), AtomicUsize::new(0));
 
 impl Drop for FakeModel {
     fn drop(&mut self) {
+        if !self.drop_pause.is_zero() {
+            let now = SLOW_DROPS.0.fetch_add(1, Ordering::SeqCst) + 1;
+            SLOW_DROPS.1.fetch_max(now, Ordering::SeqCst);
+            std::thread::sleep(self.drop_pause);
+            SLOW_DROPS.0.fetch_sub(1, Ordering::SeqCst);
+        }
         self.free.fetch_add(self.bytes, Ordering::SeqCst);
         let _ = self
             .process
@@ -161,6 +172,11 @@ impl Backend for FakeBackend {
             gate: self.gate.clone(),
             runs: self.runs.clone(),
             run_nice: self.run_nice.clone(),
+            drop_pause: if spec.name.starts_with("slow-drop") {
+                Duration::from_millis(40)
+            } else {
+                Duration::ZERO
+            },
         }))
     }
 }
@@ -471,6 +487,23 @@ async fn gc_unloads_idle_unpinned_models_and_reports_them() {
     let report = s.m.gc(None).await;
     assert_eq!(report.models_unloaded, ["a"], "p is pinned, b is not loaded");
     assert_eq!(s.free.load(Ordering::SeqCst), 150 * MB);
+}
+
+#[tokio::test]
+async fn unloads_side_by_side_are_measured_one_at_a_time() {
+    // Each unload reads the process's RSS before and after its drop: side by side, each
+    // counted the other's memory as its own ("368 MiB returned to the OS" twice).
+    let s = setup(&["slow-drop-a", "slow-drop-b"], KeepAlive::Forever);
+    s.m.infer("slow-drop-a", None, rows(1, 0.0), vec![]).await.unwrap();
+    s.m.infer("slow-drop-b", None, rows(1, 0.0), vec![]).await.unwrap();
+    while s.m.status().await.iter().any(|m| m.leases > 0) {
+        tokio::task::yield_now().await;
+    }
+    let report = s.m.gc(None).await;
+    assert_eq!(report.models_unloaded.len(), 2);
+    until(&s.m, "slow-drop-a", StateName::Unloaded).await;
+    until(&s.m, "slow-drop-b", StateName::Unloaded).await;
+    assert_eq!(SLOW_DROPS.1.load(Ordering::SeqCst), 1, "two drops measured at once");
 }
 
 #[tokio::test(start_paused = true)]
