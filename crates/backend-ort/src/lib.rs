@@ -357,6 +357,10 @@ impl Backend for OrtBackend {
                 .is_some_and(|m| m.batch_dependent)
     }
 
+    fn fixed_weights(&self, path: &Path) -> Option<Weights> {
+        (task_of(path) == Task::Transcription).then_some(Weights::Prepacked)
+    }
+
     /// A folder's every file, as the core counts them; a model named by its `.onnx` file
     /// counts the external data that file names as well.
     fn fingerprint(&self, path: &Path) -> String {

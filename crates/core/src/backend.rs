@@ -252,6 +252,11 @@ pub trait Backend: Send + Sync + 'static {
     fn fingerprint(&self, path: &std::path::Path) -> String {
         crate::learned::fingerprint(path)
     }
+    /// The one form this engine holds the model's weights in, whatever the config asks
+    /// (`None`: the config's `weights` decides). Whisper's sessions are always prepacked.
+    fn fixed_weights(&self, _path: &std::path::Path) -> Option<Weights> {
+        None
+    }
     /// Whether what the model answers for one row depends on the other rows run beside
     /// it (dynamic quantization takes its scale from the whole batch). Such a model never
     /// merges requests into one run: a request's answer must not depend on who else sent one.

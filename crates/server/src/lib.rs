@@ -95,15 +95,30 @@ fn resolve_weights(
     }
     let uncapped = s.max_loaded_models == 0 || s.max_loaded_models >= config.models.len();
     let roomy = all <= budget && uncapped;
-    Ok(config
+    config
         .models
         .iter()
-        .map(|m| match m.weights {
-            Weights::Auto if roomy && m.max_batch_size > 1 => Weights::Prepacked,
-            Weights::Auto => Weights::Mapped,
-            chosen => chosen,
+        .map(|m| {
+            // A form the engine always uses (Whisper: prepacked) is what the model is said
+            // to be held in, and the only copy prepared for it.
+            if let Some(fixed) = backends.get(m.backend)?.fixed_weights(&m.path) {
+                if !matches!(m.weights, Weights::Auto) && m.weights != fixed {
+                    tracing::warn!(
+                        model = %m.name,
+                        asked = m.weights.as_str(),
+                        "this model's weights are always {}: `weights` is ignored",
+                        fixed.as_str()
+                    );
+                }
+                return Ok(fixed);
+            }
+            Ok(match m.weights {
+                Weights::Auto if roomy && m.max_batch_size > 1 => Weights::Prepacked,
+                Weights::Auto => Weights::Mapped,
+                chosen => chosen,
+            })
         })
-        .collect())
+        .collect()
 }
 
 /// The budget a config gives, and what the server holds before any model.
@@ -151,11 +166,11 @@ pub fn prepare(config: &Config, mut report: impl FnMut(&str)) -> anyhow::Result<
         let backend = backends.get(m.backend)?;
         // `auto` is decided by the budget at each start (an image is built on another
         // machine than it runs on): both forms it may choose.
-        let forms = match m.weights {
-            // Whisper's graphs have one cached form whatever `weights` says: prepacked.
-            _ if backend.task(&m.path) == snooze_core::Task::Transcription => vec![Weights::Prepacked],
-            Weights::Auto => vec![Weights::Mapped, Weights::Prepacked],
-            chosen => vec![chosen],
+        let forms = match (backend.fixed_weights(&m.path), m.weights) {
+            // One form whatever `weights` says (Whisper's graphs: prepacked).
+            (Some(fixed), _) => vec![fixed],
+            (None, Weights::Auto) => vec![Weights::Mapped, Weights::Prepacked],
+            (None, chosen) => vec![chosen],
         };
         let mut any = false;
         for form in forms {

@@ -623,3 +623,31 @@ fn a_transcription_whose_client_left_stops_and_is_counted_as_cancelled() {
 fn client_get_text(url: &str) -> String {
     client().get(url).send().unwrap().text().unwrap()
 }
+
+#[test]
+fn whisper_is_said_to_be_held_as_it_is_prepacked() {
+    // `auto` under a cap on loaded models resolves to `mapped`, which Whisper's graphs
+    // never use: /admin/models said mapped, and two preparations were made and logged
+    // (the 'mapped' one made the prepacked copies, the 'prepacked' one did nothing).
+    let s = Server::start("speech-weights", &config("max_loaded_models = 1"), &[]);
+    for name in [TINY, BASE] {
+        let m = s.model(name);
+        assert_eq!(m["weights"], "prepacked", "{m}");
+    }
+    assert_eq!(s.model("mlp-10m")["weights"], "mapped", "the others as auto decides");
+    s.wait_for("the background preparations", |s| {
+        let events = s.get("/admin/events").1;
+        events["events"]
+            .as_array()
+            .is_some_and(|e| e.iter().filter(|e| e["kind"] == "prepared" && e["model"] == TINY).count() >= 1)
+    });
+    let events = s.get("/admin/events").1;
+    let forms: Vec<&str> = events["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "prepared" && e["model"] == TINY)
+        .filter_map(|e| e["reason"].as_str())
+        .collect();
+    assert_eq!(forms, ["prepacked"], "{events}");
+}
