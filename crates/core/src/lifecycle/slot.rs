@@ -401,17 +401,22 @@ impl ModelSlot {
             _ => (None, None),
         };
         let ago = |t: Instant| now.saturating_duration_since(t);
+        let measured = match self.state {
+            SlotState::Ready { footprint, .. } if self.policy.memory.is_none() => Some(footprint),
+            _ => self.measured_bytes.or(self.learned_bytes),
+        };
         ModelStatus {
             name: self.policy.name.clone(),
             state: self.state_name(),
             device: self.device().map(|d| d.to_string()),
             footprint_estimated_bytes: self.policy.memory.or(self.policy.estimate_steady),
             footprint_peak_estimated_bytes: self.policy.memory.or(self.policy.estimate_peak),
-            footprint_measured_bytes: match self.state {
-                SlotState::Ready { footprint, .. } if self.policy.memory.is_none() => Some(footprint),
-                _ => self.measured_bytes.or(self.learned_bytes),
-            },
-            footprint_peak_measured_bytes: self.measured_peak_bytes.or(self.learned_peak_bytes),
+            footprint_measured_bytes: measured,
+            // What runs left grows the footprint, not the load's peak: never shown less.
+            footprint_peak_measured_bytes: self
+                .measured_peak_bytes
+                .or(self.learned_peak_bytes)
+                .map(|p| p.max(measured.unwrap_or(0))),
             working_bytes: (self.working_bytes > 0).then_some(self.working_bytes),
             leases: self.running,
             queued: Priority::ALL.map(|p| self.queue.len_at(p)),

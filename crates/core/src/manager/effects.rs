@@ -180,9 +180,12 @@ impl Actor {
             let grew =
                 |to: Option<u64>| to.zip(before).and_then(|(t, b)| t.checked_sub(b)).filter(|d| *d > 0);
             let result = result.map(|m| {
+                let steady = grew(after).map(|s| s + m.mapped_bytes());
                 let measured = LoadMeasurement {
-                    steady: grew(after).map(|s| s + m.mapped_bytes()),
-                    peak: grew(peak),
+                    steady,
+                    // The mapped weights count once their pages are touched, after the
+                    // load: the peak is never less than what stays.
+                    peak: grew(peak).max(steady),
                     working: m.working_bytes(),
                 };
                 (Loaded { instance: m, grew: grew(after) }, measured)

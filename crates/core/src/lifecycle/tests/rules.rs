@@ -478,6 +478,7 @@ fn a_pass_that_leaves_memory_resident_grows_the_footprint_and_the_next_admission
     assert_eq!(h.s.accounted(&Device::Cpu), 230 * MB);
     let st = &h.s.status(h.now)[0];
     assert_eq!(st.footprint_measured_bytes, Some(230 * MB));
+    assert_eq!(st.footprint_peak_measured_bytes, Some(230 * MB), "a peak is never shown below what stays");
     assert_eq!(
         h.s.slot(0).admission_bytes(),
         Some(230 * MB),
