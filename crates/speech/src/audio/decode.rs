@@ -218,6 +218,12 @@ impl TrackDecoder {
             make_decoder(&params).map_err(|payload| AudioError::Corrupt(panic_message(payload.as_ref())))?;
         let decoder = match made {
             Ok(decoder) => decoder,
+            // Opus says which of its streams it cannot decode (surround).
+            Err(SymphoniaError::Unsupported(what))
+                if params.codec == symphonia::core::codecs::CODEC_TYPE_OPUS =>
+            {
+                return Err(AudioError::UnsupportedCodec { container, codec: what.into() });
+            }
             Err(SymphoniaError::Unsupported(_)) => {
                 return Err(AudioError::UnsupportedCodec { container, codec });
             }

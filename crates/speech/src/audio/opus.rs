@@ -48,6 +48,15 @@ fn head(extra: &[u8]) -> Option<(u8, u16, f32, u8)> {
     Some((extra[9], u16::from_le_bytes([extra[10], extra[11]]), f32::from(gain_q8) / 256.0, extra[18]))
 }
 
+/// Whether a header of channel mapping family 1 or 255 (after the family byte: stream
+/// count, coupled count, one mapping byte per channel) describes what family 0 does: one
+/// stream of the header's one or two channels, in order. Legal, and ffmpeg and libopus
+/// read it; anything else is surround (several streams), which is refused.
+fn single_stream(extra: &[u8], channels: u8) -> bool {
+    let identity: &[u8] = if channels == 2 { &[1, 1, 0, 1] } else { &[1, 0, 0] };
+    (1..=2).contains(&channels) && extra.get(19..19 + identity.len()) == Some(identity)
+}
+
 /// The samples an Opus stream's decoder drops from its start (0 for other codecs).
 pub(crate) fn pre_skip(params: &CodecParameters) -> u64 {
     if params.codec != CODEC_TYPE_OPUS {
@@ -60,8 +69,11 @@ impl Decoder for OpusDecoder {
     fn try_new(params: &CodecParameters, _options: &DecoderOptions) -> Result<Self> {
         let header = params.extra_data.as_deref().and_then(head);
         let (channels, pre_skip, gain_db) = match header {
-            Some((_, _, _, family)) if family != 0 => {
-                return unsupported_error("Opus with more than two channels (channel mapping family 1)")
+            Some((channels, _, _, family))
+                if family != 0
+                    && !params.extra_data.as_deref().is_some_and(|e| single_stream(e, channels)) =>
+            {
+                return unsupported_error("surround Opus (more than one stream)")
             }
             Some((channels, pre_skip, gain_db, _)) => (usize::from(channels), usize::from(pre_skip), gain_db),
             None => (params.channels.map_or(1, |c| c.count()), params.delay.unwrap_or(0) as usize, 0.0),
@@ -70,7 +82,7 @@ impl Decoder for OpusDecoder {
             1 => Channels::FRONT_LEFT,
             2 => Channels::FRONT_LEFT | Channels::FRONT_RIGHT,
             0 => return decode_error("opus: the header declares 0 channels"),
-            _ => return unsupported_error("Opus with more than two channels"),
+            _ => return unsupported_error("surround Opus (more than two channels)"),
         };
         let inner = Inner::new(RATE as i32, channels)
             .map_err(|_| symphonia::core::errors::Error::Unsupported("opus"))?;
@@ -147,5 +159,18 @@ mod tests {
         assert_eq!(head(&h), Some((2, 312, -1.0, 0)));
         assert_eq!(head(&h[..18]), None, "cut short");
         assert_eq!(head(b"OpusTags and more bytes"), None);
+        // Family 1 with one stereo stream, channels in order: what family 0 says.
+        h[18] = 1;
+        let one = [h.clone(), vec![1, 1, 0, 1]].concat();
+        assert!(single_stream(&one, 2));
+        assert!(!single_stream(&[h.clone(), vec![2, 1, 0, 1]].concat(), 2), "two streams");
+        assert!(!single_stream(&[h.clone(), vec![1, 1, 1, 0]].concat(), 2), "swapped channels");
+        assert!(!single_stream(&h, 2), "no mapping table");
+        let mut params = CodecParameters::new();
+        params.for_codec(CODEC_TYPE_OPUS).with_extra_data(one.into_boxed_slice());
+        assert!(OpusDecoder::try_new(&params, &DecoderOptions::default()).is_ok(), "read as family 0");
+        params.with_extra_data([h, vec![2, 1, 0, 1]].concat().into_boxed_slice());
+        let refused = OpusDecoder::try_new(&params, &DecoderOptions::default()).err().map(|e| e.to_string());
+        assert!(refused.as_deref().is_some_and(|e| e.contains("surround Opus")), "{refused:?}");
     }
 }
