@@ -124,7 +124,9 @@ impl Decoder for OpusDecoder {
         };
         let dropped = self.skip.min(frames);
         self.skip -= dropped;
-        let kept = frames - dropped;
+        // The last packet's end padding, as the container says (an OGG's last granule
+        // position, RFC 7845 section 4.4): the audio ends where it ended.
+        let kept = (frames - dropped).saturating_sub(packet.trim_end as usize);
         self.buf.render_reserved(Some(kept));
         for ch in 0..self.channels {
             let out = self.buf.chan_mut(ch);
