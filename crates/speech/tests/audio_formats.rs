@@ -435,3 +435,26 @@ fn damaged_opus_is_read_around_or_refused() {
         }
     }
 }
+
+#[test]
+fn a_finished_webm_cut_short_gives_the_audio_before_the_cut() {
+    // An interrupted upload of a WebM whose sizes are known (ffmpeg's muxer, OBS): over
+    // a seekable source symphonia followed the SeekHead to the Cues past the cut and
+    // panicked, and nothing was transcribed. Read front to back, it gives what is there.
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/audio");
+    for file in ["0880_opus.webm", "0880_camera.webm"] {
+        let whole = std::fs::read(fixtures.join(file)).unwrap();
+        let full = probe(Bytes::from(whole.clone()), &AudioLimits::default()).unwrap().samples as f64;
+        for percent in [50usize, 99] {
+            let cut = whole[..whole.len() * percent / 100].to_vec();
+            let info = probe(Bytes::from(cut), &AudioLimits::default())
+                .unwrap_or_else(|e| panic!("{file} cut at {percent}%: {e}"));
+            let share = info.samples as f64 / full;
+            assert!(
+                share > 0.3 && share <= 1.0,
+                "{file} cut at {percent}%: {} of {full} samples",
+                info.samples
+            );
+        }
+    }
+}

@@ -41,6 +41,7 @@ use symphonia::core::{
     conv::IntoSample,
     errors::Error as SymphoniaError,
     formats::{FormatOptions, FormatReader, Packet},
+    io::ReadOnlySource,
     io::{MediaSource, MediaSourceStream},
     meta::{Limit, MetadataOptions},
     probe::Hint,
@@ -156,6 +157,7 @@ impl TrackDecoder {
         let edit = if container == "MP4" { mp4::audio_edit(&bytes) } else { None };
         let mut wav_format = None;
         let mut truncated = false;
+        let upload = bytes.clone();
         let media: Box<dyn MediaSource> = if riff::is_wav(&bytes) {
             let checked = riff::check(&bytes)?;
             wav_format = Some(checked.format);
@@ -173,9 +175,31 @@ impl TrackDecoder {
             limit_metadata_bytes: Limit::Maximum(METADATA_LIMIT_BYTES),
             limit_visual_bytes: Limit::Maximum(METADATA_LIMIT_BYTES),
         };
-        let probed = catch_unwind(AssertUnwindSafe(|| {
-            symphonia::default::get_probe().format(&Hint::new(), stream, &format_options, &metadata_options)
-        }))
+        let probe = |stream: MediaSourceStream| {
+            catch_unwind(AssertUnwindSafe(|| {
+                symphonia::default::get_probe().format(
+                    &Hint::new(),
+                    stream,
+                    &format_options,
+                    &metadata_options,
+                )
+            }))
+        };
+        // A Matroska/WebM upload is read front to back: over a seekable source symphonia
+        // follows the SeekHead to the Cues at the end, and in a finished file cut short
+        // (an interrupted upload) it panics there, losing every word before the cut.
+        // WebM puts its Info and Tracks before the first Cluster; a file that keeps them
+        // only behind its SeekHead is read seekable, as before.
+        let probed = match container {
+            "WebM" => match probe(MediaSourceStream::new(
+                Box::new(ReadOnlySource::new(Cursor::new(upload.clone()))),
+                Default::default(),
+            )) {
+                Ok(Ok(found)) => Ok(Ok(found)),
+                _ => probe(stream),
+            },
+            _ => probe(stream),
+        }
         .map_err(|payload| AudioError::Corrupt(panic_message(payload.as_ref())))?;
         let format = match probed {
             Ok(probed) => probed.format,
