@@ -9,8 +9,10 @@
 //! Output is at 48 kHz, Opus's own rate, in the stream's channels (1 or 2): the audio
 //! stream downmixes and resamples as for any codec. The encoder's pre-skip (`OpusHead`,
 //! 312 samples from libopus) is dropped from the start, as RFC 7845 says, and the
-//! header's output gain applied. Streams of more than two channels (channel mapping
-//! family 1, surround) are refused by name.
+//! header's output gain applied, and the last packet's end padding cut where the
+//! container says (an OGG's last granule position). One mono or stereo stream under
+//! channel mapping family 1 or 255 is read as family 0; surround (several streams, or
+//! more than two channels) is refused by name.
 
 use opus_rs::OpusDecoder as Inner;
 use symphonia::core::{
