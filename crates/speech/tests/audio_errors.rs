@@ -365,3 +365,29 @@ fn real_vorbis_files_pass_the_codebook_bound() {
         probe(read(&path), &limits()).unwrap_or_else(|e| panic!("{name}: {e}"));
     }
 }
+
+#[test]
+fn a_bad_opus_header_is_named() {
+    // symphonia skips an OGG stream whose OpusHead it refuses and reads on to the end:
+    // the 400 said the file "ends before its audio begins".
+    let head = |version: u8, channels: u8, family: u8| {
+        let mut h = b"OpusHead".to_vec();
+        h.extend([version, channels]);
+        h.extend(312u16.to_le_bytes());
+        h.extend(48_000u32.to_le_bytes());
+        h.extend([0, 0, family]);
+        h
+    };
+    let tags = b"OpusTags\x04\0\0\0test\0\0\0\0".to_vec();
+    for (h, named) in [
+        (head(1, 0, 0), "declares 0 channels"),
+        (head(255, 1, 0), "version 255"),
+        (head(1, 8, 0), "8 channels without a channel mapping"),
+    ] {
+        let mut file = ogg_page(2, 0, &[&h]);
+        file.extend(ogg_page(0, 1, &[&tags]));
+        file.extend(ogg_page(4, 2, &[&[0xF8, 0xFF, 0xFE]]));
+        let e = probe(Bytes::from(file), &AudioLimits::default()).unwrap_err().to_string();
+        assert!(e.contains(named), "{named}: {e}");
+    }
+}

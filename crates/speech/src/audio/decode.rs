@@ -41,8 +41,7 @@ use symphonia::core::{
     conv::IntoSample,
     errors::Error as SymphoniaError,
     formats::{FormatOptions, FormatReader, Packet},
-    io::ReadOnlySource,
-    io::{MediaSource, MediaSourceStream},
+    io::{MediaSource, MediaSourceStream, ReadOnlySource},
     meta::{Limit, MetadataOptions},
     probe::Hint,
     sample::Sample,
@@ -215,9 +214,12 @@ impl TrackDecoder {
                 })
             }
             Err(SymphoniaError::IoError(_)) if recognised => {
-                return Err(AudioError::Corrupt(format!(
-                    "the {container} file ends before its audio begins"
-                )));
+                let why = match container {
+                    "OGG" => super::opus::ogg_head_problem(&upload),
+                    _ => None,
+                }
+                .unwrap_or_else(|| "file ends before its audio begins".into());
+                return Err(AudioError::Corrupt(format!("the {container} {why}")));
             }
             Err(SymphoniaError::IoError(_)) => return Err(AudioError::UnknownFormat),
             Err(e) => return Err(AudioError::Corrupt(format!("the {container} header cannot be read: {e}"))),

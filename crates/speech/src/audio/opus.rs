@@ -59,6 +59,30 @@ fn single_stream(extra: &[u8], channels: u8) -> bool {
     (1..=2).contains(&channels) && extra.get(19..19 + identity.len()) == Some(identity)
 }
 
+/// What is wrong with an OGG's `OpusHead` (in its first page), if something is:
+/// symphonia skips a stream whose header it refuses and reads on to the end, so the
+/// upload would be refused as ending "before its audio begins".
+pub(crate) fn ogg_head_problem(bytes: &[u8]) -> Option<String> {
+    let first_page = &bytes[..bytes.len().min(27 + 255 + 255)];
+    let at = first_page.windows(8).position(|w| w == b"OpusHead")?;
+    let h = &bytes[at..];
+    let Some(&[version, channels]) = h.get(8..10) else { return Some("Opus header is cut short".into()) };
+    if version >> 4 != 0 {
+        return Some(format!("Opus header is of version {version}, which this server does not read"));
+    }
+    if channels == 0 {
+        return Some("Opus header declares 0 channels".into());
+    }
+    let Some(&family) = h.get(18) else { return Some("Opus header is cut short".into()) };
+    if family == 0 && channels > 2 {
+        return Some(format!("Opus header declares {channels} channels without a channel mapping"));
+    }
+    if family != 0 && h.len() < 21 + usize::from(channels) {
+        return Some("Opus header's channel mapping is cut short".into());
+    }
+    None
+}
+
 /// The samples an Opus stream's decoder drops from its start (0 for other codecs).
 pub(crate) fn pre_skip(params: &CodecParameters) -> u64 {
     if params.codec != CODEC_TYPE_OPUS {
