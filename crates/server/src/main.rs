@@ -455,6 +455,8 @@ fn main() -> ExitCode {
             prepare(*args, overrides)
         }
         Command::PrepareModel { backend, path, weights, state_dir, intra_op_threads } => {
+            // Plain lines the server passes on to its own log (see prepare.rs).
+            init_logs(LogFormat::Text);
             prepare_model(&backend, path, &weights, &state_dir, intra_op_threads)
         }
         Command::Check { config, model_dir } => {

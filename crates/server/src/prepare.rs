@@ -65,10 +65,15 @@ impl Preparer for ChildPreparer {
         let out = child
             .wait_with_output()
             .map_err(|e| LoadError::Failed(format!("prepare-model for '{}' was lost: {e}", spec.name)))?;
+        let err = String::from_utf8_lossy(&out.stderr);
         if out.status.success() {
+            // What the child did to the cache (copies made, a stopped process's leftovers
+            // removed) belongs in the server's log, not in a dropped pipe.
+            for line in err.lines().map(str::trim).filter(|l| !l.is_empty()) {
+                tracing::info!(model = %spec.name, "prepare-model: {line}");
+            }
             return Ok(());
         }
-        let err = String::from_utf8_lossy(&out.stderr);
         let why = err.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no message").trim().to_string();
         Err(LoadError::Failed(format!("preparing model '{}' failed ({}): {why}", spec.name, out.status)))
     }

@@ -92,6 +92,9 @@ fn an_idle_server_converts_a_fresh_state_dir_in_the_background_and_serves_meanwh
         prepared == 2
     });
     assert_eq!(converted(&state).len(), 2, "{:?}", converted(&state));
+    // What the preparing child did to the cache is in the server's log.
+    let made = s.log_lines("prepare-model:");
+    assert!(made.iter().any(|l| l.contains("once per file version")), "{made:?}");
     // The next load of a converted model takes the mapped copy.
     let (status, body, _) = s.post("/v2/repository/models/small/unload", &json!({}));
     assert_eq!(status, 200, "{body}");
