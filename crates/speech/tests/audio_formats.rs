@@ -349,23 +349,35 @@ fn a_wav_of_unknown_length_is_read_to_its_end() {
     assert!(e.contains("no samples"), "{e}");
 }
 
+/// tests/fixtures/audio (scripts/audio_fixtures.py).
+fn audio_fixtures() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/audio")
+}
+
+/// `path` decoded, with its SNR against `reference` at the best lag, printed.
+fn decoded_against(reference: &[f32], path: &std::path::Path) -> (Vec<f32>, f64, i64) {
+    let decoded = decode(path);
+    let (snr, lag) = aligned_snr_db(reference, &decoded, 2048);
+    println!(
+        "{}: {} samples (original {}), SNR {snr:.1} dB at lag {lag}",
+        path.display(),
+        decoded.len(),
+        reference.len()
+    );
+    (decoded, snr, lag)
+}
+
 #[test]
 fn m4a_with_aac_or_alac_is_decoded() {
     // What phones' voice memos and browsers record (scripts/audio_fixtures.py made them
     // from clip 0880).
-    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/audio");
+    let fixtures = audio_fixtures();
     let reference = pcm16_samples(&librivox("0880"));
     for (file, min_snr_db) in [("0880_alac.m4a", 200.0), ("0880_aac.m4a", 10.0)] {
         let path = fixtures.join(file);
         let info = probe(read(&path), &AudioLimits::default()).unwrap();
         assert_eq!((info.source.container, info.source.sample_rate), ("MP4", 16_000), "{file}");
-        let decoded = decode(&path);
-        let (snr, lag) = aligned_snr_db(&reference, &decoded, 2048);
-        println!(
-            "{file}: {} samples (original {}), SNR {snr:.1} dB at lag {lag}",
-            decoded.len(),
-            reference.len()
-        );
+        let (decoded, snr, lag) = decoded_against(&reference, &path);
         assert!(snr > min_snr_db, "{file}: SNR {snr:.1} dB at lag {lag}");
         // The AAC encoder's 1,024 priming samples and its padding are cut as the file's
         // edit list says (they made it 1,312 samples long, 64 ms late).
@@ -379,7 +391,7 @@ fn opus_in_webm_or_ogg_is_decoded() {
     // A browser's MediaRecorder (WebM) and a voice note (OGG), both Opus at 24 kb/s
     // (scripts/audio_fixtures.py made them from clip 0880); symphonia demuxes both and
     // has no Opus decoder of its own.
-    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/audio");
+    let fixtures = audio_fixtures();
     let reference = pcm16_samples(&librivox("0880"));
     // And a camera's recording: its VP8 video track first, the voice as stereo Opus.
     for (file, container, channels) in
@@ -391,13 +403,7 @@ fn opus_in_webm_or_ogg_is_decoded() {
         assert_eq!(info.source.channels, channels, "{file}");
         assert_eq!(info.source.sample_rate, 48_000, "{file}");
         assert!(!info.damaged, "{file}: {info:?}");
-        let decoded = decode(&path);
-        let (snr, lag) = aligned_snr_db(&reference, &decoded, 2048);
-        println!(
-            "{file}: {} samples (original {}), SNR {snr:.1} dB at lag {lag}",
-            decoded.len(),
-            reference.len()
-        );
+        let (decoded, snr, lag) = decoded_against(&reference, &path);
         // 9.5 dB: libopus's own decode of these files is as far from the original (the
         // 48 kHz output of this decoder and libopus 1.5's agree to 62.7 dB, lag 0).
         assert!(snr > 8.0, "{file}: SNR {snr:.1} dB at lag {lag}");
@@ -420,7 +426,7 @@ fn opus_in_webm_or_ogg_is_decoded() {
 fn damaged_opus_is_read_around_or_refused() {
     // Bytes flipped all through the packets (past the headers): every answer is audio
     // marked damaged or an error, never a panic or a hang.
-    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/audio");
+    let fixtures = audio_fixtures();
     for file in ["0880_opus.webm", "0880_opus.ogg"] {
         let clean = std::fs::read(fixtures.join(file)).unwrap();
         for (step, start) in [(37, 400), (101, 300), (7, 2_000)] {
@@ -441,7 +447,7 @@ fn a_finished_webm_cut_short_gives_the_audio_before_the_cut() {
     // An interrupted upload of a WebM whose sizes are known (ffmpeg's muxer, OBS): over
     // a seekable source symphonia followed the SeekHead to the Cues past the cut and
     // panicked, and nothing was transcribed. Read front to back, it gives what is there.
-    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/audio");
+    let fixtures = audio_fixtures();
     for file in ["0880_opus.webm", "0880_camera.webm"] {
         let whole = std::fs::read(fixtures.join(file)).unwrap();
         let full = probe(Bytes::from(whole.clone()), &AudioLimits::default()).unwrap().samples as f64;

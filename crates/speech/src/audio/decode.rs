@@ -37,7 +37,9 @@ use std::{
 use bytes::Bytes;
 use symphonia::core::{
     audio::{AudioBuffer, AudioBufferRef, Signal},
-    codecs::{CodecParameters, CodecRegistry, CodecType, Decoder, DecoderOptions, CODEC_TYPE_NULL},
+    codecs::{
+        CodecParameters, CodecRegistry, CodecType, Decoder, DecoderOptions, CODEC_TYPE_NULL, CODEC_TYPE_OPUS,
+    },
     conv::IntoSample,
     errors::Error as SymphoniaError,
     formats::{FormatOptions, FormatReader, Packet},
@@ -189,12 +191,13 @@ impl TrackDecoder {
         // (an interrupted upload) it panics there, losing every word before the cut.
         // WebM puts its Info and Tracks before the first Cluster; a file that keeps them
         // only behind its SeekHead is read seekable, as before.
+        let front_to_back = || {
+            let source = ReadOnlySource::new(Cursor::new(upload.clone()));
+            probe(MediaSourceStream::new(Box::new(source), Default::default()))
+        };
         let probed = match container {
-            "WebM" => match probe(MediaSourceStream::new(
-                Box::new(ReadOnlySource::new(Cursor::new(upload.clone()))),
-                Default::default(),
-            )) {
-                Ok(Ok(found)) => Ok(Ok(found)),
+            "WebM" => match front_to_back() {
+                found @ Ok(Ok(_)) => found,
                 _ => probe(stream),
             },
             _ => probe(stream),
@@ -245,9 +248,7 @@ impl TrackDecoder {
         let decoder = match made {
             Ok(decoder) => decoder,
             // Opus says which of its streams it cannot decode (surround).
-            Err(SymphoniaError::Unsupported(what))
-                if params.codec == symphonia::core::codecs::CODEC_TYPE_OPUS =>
-            {
+            Err(SymphoniaError::Unsupported(what)) if params.codec == CODEC_TYPE_OPUS => {
                 return Err(AudioError::UnsupportedCodec { container, codec: what.into() });
             }
             Err(SymphoniaError::Unsupported(_)) => {
