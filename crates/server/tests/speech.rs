@@ -651,3 +651,25 @@ fn whisper_is_said_to_be_held_as_it_is_prepacked() {
         .collect();
     assert_eq!(forms, ["prepacked"], "{events}");
 }
+
+#[test]
+fn whisper_base_is_served_by_a_budget_its_measured_peak_fits() {
+    // whisper-base's first run peaks at ~550 MiB. Its estimate counted eight full-length
+    // sequences' KV caches beside an encoder window (a working set the scheduler holds
+    // run by run anyway): 1.0 GiB, so a 900 MiB budget refused it as a model that could
+    // never fit, and it was never loaded to be measured.
+    let s = Server::start("speech-budget", &config("host_memory_limit = \"900MiB\""), &[]);
+    let clip = beckett();
+    let answer = transcribe(&s.base, BASE, &clip.bytes(), &[("language", "en")]);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_wer(&clip.name, &clip.words, &answer.text(), 0.10);
+    let m = s.model(BASE);
+    let bytes = |k: &str| m[k].as_u64().unwrap_or_else(|| panic!("{k}: {m}"));
+    // The estimate stays above what the load and the run measured: it admits the first load.
+    for (estimated, measured) in [
+        ("footprint_peak_estimated_bytes", "footprint_peak_measured_bytes"),
+        ("footprint_estimated_bytes", "footprint_measured_bytes"),
+    ] {
+        assert!(bytes(estimated) >= bytes(measured), "{estimated} below {measured}: {m}");
+    }
+}

@@ -28,7 +28,9 @@ pub(crate) use config::tests::tiny_en;
 pub use config::{is_whisper_folder, Language, SpecialTokens, WhisperConfig, DESCRIPTOR};
 pub use engine::{CrossKv, DecoderInput, DecoderOutput, WhisperEngine};
 pub use kv_cache::{CacheShape, WIDTH_STEP};
-pub use model::{signature, working_bytes, WhisperModel, AUDIO_INPUT, PLANNED_SEQUENCES, TEXT_OUTPUT};
+pub use model::{
+    encoder_run_bytes, signature, working_bytes, WhisperModel, AUDIO_INPUT, PLANNED_SEQUENCES, TEXT_OUTPUT,
+};
 pub use runner::{run_slice, ENCODER_BATCH};
 pub use tokenizer::{Task, WhisperTokenizer};
 pub use transcription::{

@@ -167,8 +167,14 @@ pub fn working_bytes(c: &WhisperConfig) -> u64 {
         audio_ctx: c.n_audio_ctx,
         text_ctx: c.n_text_ctx,
     };
+    shape.bytes_for(PLANNED_SEQUENCES) + encoder_run_bytes(c)
+}
+
+/// The encoder's attention scores and probabilities for one run (two `heads x 1500 x
+/// 1500` tensors per window): the most a request's first run holds beside the weights.
+pub fn encoder_run_bytes(c: &WhisperConfig) -> u64 {
     let scores = 2 * c.n_heads * c.n_audio_ctx * c.n_audio_ctx * std::mem::size_of::<f32>();
-    shape.bytes_for(PLANNED_SEQUENCES) + (super::runner::ENCODER_BATCH * scores) as u64
+    (super::runner::ENCODER_BATCH * scores) as u64
 }
 
 /// The KServe signature: audio files in, their text out.
