@@ -1,7 +1,7 @@
 """Writes tests/fixtures/audio/: LibriVox clip 0880 (pocketsphinx-testdata, public domain)
 in the containers and codecs no Debian tool of `make system-packages` writes —
 M4A/AAC, M4A/ALAC, WebM/Opus (a browser's MediaRecorder, voice alone and with a camera's
-video) and OGG/Opus (a voice note).
+video), OGG/Opus (a voice note) and MP4/Opus (Chrome's `audio/mp4` MediaRecorder, ffmpeg).
 
 Needs PyAV (`pip install av==18.1.0` in a scratch venv; not a dependency of the project,
 whose tests read the files committed):
@@ -73,6 +73,7 @@ def main():
     encode(samples, rate, os.path.join(OUT, "0880_alac.m4a"), "ipod", "alac", "s16p")
     encode(samples, rate, os.path.join(OUT, "0880_opus.webm"), "webm", "libopus", "s16", 24000)
     encode(samples, rate, os.path.join(OUT, "0880_opus.ogg"), "ogg", "libopus", "s16", 24000)
+    encode(samples, rate, os.path.join(OUT, "0880_opus.mp4"), "mp4", "libopus", "s16", 24000)
     camera_webm(samples, os.path.join(OUT, "0880_camera.webm"))
     for name in sorted(os.listdir(OUT)):
         print(name, os.path.getsize(os.path.join(OUT, name)))

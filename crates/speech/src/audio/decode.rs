@@ -397,6 +397,9 @@ impl TrackDecoder {
     fn trim(&mut self, rate: u32, mono: &mut Vec<f32>) {
         if let Some(edit) = self.edit.take() {
             let (skip, keep) = edit.in_frames(rate);
+            // An Opus track's edit starts after the encoder's pre-skip (the ISO BMFF
+            // encapsulation of Opus), which its decoder has dropped already.
+            let skip = skip.saturating_sub(super::opus::pre_skip(&self.params));
             (self.trim_skip, self.trim_keep) = (skip, keep);
             // What the container counts includes the priming and the padding.
             self.declared_frames = keep.or(self.declared_frames.map(|d| d.saturating_sub(skip)));

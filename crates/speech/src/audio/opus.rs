@@ -42,12 +42,20 @@ pub(crate) struct OpusDecoder {
 
 /// What `OpusHead` (RFC 7845 section 5.1: in the OGG stream's first packet, WebM's
 /// `CodecPrivate`) says: (channels, pre-skip, output gain in dB, channel mapping family).
+///
+/// An MP4's `dOps` box holds the same fields after a version byte of 0 (an `OpusHead`'s
+/// is 1), but big-endian (the ISO BMFF encapsulation of Opus); symphonia hands it on
+/// behind the `OpusHead` magic as it is. Read as little-endian, its 312-sample pre-skip
+/// was 14,337: the first 0.3 s of every Opus recording in an MP4 was dropped.
 fn head(extra: &[u8]) -> Option<(u8, u16, f32, u8)> {
     if extra.len() < 19 || &extra[..8] != b"OpusHead" {
         return None;
     }
-    let gain_q8 = i16::from_le_bytes([extra[16], extra[17]]);
-    Some((extra[9], u16::from_le_bytes([extra[10], extra[11]]), f32::from(gain_q8) / 256.0, extra[18]))
+    let (pre_skip, gain_q8) = match extra[8] {
+        0 => (u16::from_be_bytes([extra[10], extra[11]]), i16::from_be_bytes([extra[16], extra[17]])),
+        _ => (u16::from_le_bytes([extra[10], extra[11]]), i16::from_le_bytes([extra[16], extra[17]])),
+    };
+    Some((extra[9], pre_skip, f32::from(gain_q8) / 256.0, extra[18]))
 }
 
 /// Whether a header of channel mapping family 1 or 255 (after the family byte: stream
@@ -187,6 +195,14 @@ mod tests {
         assert_eq!(head(&h), Some((2, 312, -1.0, 0)));
         assert_eq!(head(&h[..18]), None, "cut short");
         assert_eq!(head(b"OpusTags and more bytes"), None);
+        // An MP4's dOps (version 0): the same fields, big-endian.
+        let mut dops = b"OpusHead".to_vec();
+        dops.extend([0, 1]);
+        dops.extend(312u16.to_be_bytes());
+        dops.extend(16_000u32.to_be_bytes());
+        dops.extend((-512i16).to_be_bytes());
+        dops.push(0);
+        assert_eq!(head(&dops), Some((1, 312, -2.0, 0)));
         // Family 1 with one stereo stream, channels in order: what family 0 says.
         h[18] = 1;
         let one = [h.clone(), vec![1, 1, 0, 1]].concat();
