@@ -58,6 +58,14 @@ impl Backend for CandleBackend {
         "candle"
     }
 
+    /// Candle copies the weights into its own tensors: one private copy, not prepacked,
+    /// whatever the config or the budget would pick (`auto` said `mapped` under a budget
+    /// and `prepacked` without, and each restart across budgets dropped the footprint
+    /// learned under the other).
+    fn fixed_weights(&self, _path: &Path) -> Option<snooze_core::Weights> {
+        Some(snooze_core::Weights::Compact)
+    }
+
     fn estimate(&self, path: &Path, _weights: snooze_core::Weights) -> FootprintEstimate {
         match estimate(path) {
             Ok(e) => e,

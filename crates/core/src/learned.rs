@@ -29,7 +29,24 @@ pub struct LearnedFootprint {
 
 #[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
 struct StateFile {
+    /// Each model's latest measurement, whatever the form of its weights: what readers of
+    /// the file (`deploy/capacity.py`) look a model up by.
     footprints: BTreeMap<String, LearnedFootprint>,
+    /// Each model's measurement per form of its weights, under [`entry_key`].
+    #[serde(default)]
+    forms: BTreeMap<String, LearnedFootprint>,
+}
+
+/// Keeps in `ours` what `theirs` measured later, entry by entry.
+fn merge_newer(ours: &mut BTreeMap<String, LearnedFootprint>, theirs: BTreeMap<String, LearnedFootprint>) {
+    for (name, t) in theirs {
+        match ours.get(&name) {
+            Some(o) if o.measured_at >= t.measured_at => {}
+            _ => {
+                ours.insert(name, t);
+            }
+        }
+    }
 }
 
 /// The store; writes are atomic (temp file + rename) so a crash never leaves half a file.
@@ -61,7 +78,9 @@ impl FootprintStore {
     /// The learned footprint of `model`, if measured on these same files.
     pub fn get(&self, model: &str, fingerprint: &str) -> Option<LearnedFootprint> {
         let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        state.footprints.get(model).filter(|l| l.fingerprint == fingerprint).cloned()
+        let trusted = |l: &&LearnedFootprint| l.fingerprint == fingerprint;
+        let by_form = state.forms.get(&entry_key(model, fingerprint)).filter(trusted);
+        by_form.or(state.footprints.get(model).filter(trusted)).cloned()
     }
 
     pub fn record(&self, model: &str, learned: LearnedFootprint) {
@@ -77,14 +96,11 @@ impl FootprintStore {
         // measurement of each model wins.
         let disk: Option<StateFile> =
             fs::read_to_string(&self.path).ok().and_then(|text| serde_json::from_str(&text).ok());
-        for (name, theirs) in disk.map(|d| d.footprints).unwrap_or_default() {
-            match state.footprints.get(&name) {
-                Some(ours) if ours.measured_at >= theirs.measured_at => {}
-                _ => {
-                    state.footprints.insert(name, theirs);
-                }
-            }
+        if let Some(disk) = disk {
+            merge_newer(&mut state.footprints, disk.footprints);
+            merge_newer(&mut state.forms, disk.forms);
         }
+        state.forms.insert(entry_key(model, &learned.fingerprint), learned.clone());
         state.footprints.insert(model.to_string(), learned);
         match self.write(&state) {
             Ok(()) => self.warned.store(false, Ordering::Relaxed),
@@ -108,6 +124,18 @@ impl FootprintStore {
             let _ = fs::remove_file(&tmp);
         }
         written
+    }
+}
+
+/// The key of a model's footprint among `forms`: its name and the way its weights are
+/// held ([`model_fingerprint`]'s last part). Each form keeps its own figures: `auto`
+/// picks another form when `host_memory_limit` changes, and one entry per name meant
+/// every restart across budgets dropped what the other form had learned (a model learned
+/// prepacked was estimated afresh, mapped, and maybe refused, at the next budget).
+fn entry_key(model: &str, fingerprint: &str) -> String {
+    match fingerprint.rsplit_once("|weights=") {
+        Some((_, form)) => format!("{model}|{form}"),
+        None => model.to_string(),
     }
 }
 
@@ -271,6 +299,22 @@ mod tests {
             fs::read_dir(dir.join("state")).unwrap().map(|e| e.unwrap().file_name()).collect();
         left.sort();
         assert_eq!(left, ["footprints.json", "footprints.lock"], "no temporary file is left");
+        // Each way of holding the weights keeps its own figures across restarts.
+        let (prepacked, mapped) = (format!("{fp}|weights=prepacked"), format!("{fp}|weights=mapped"));
+        let as_form = |f: &String, steady| LearnedFootprint {
+            fingerprint: f.clone(),
+            steady_bytes: Some(steady),
+            ..learned.clone()
+        };
+        a.record("m", as_form(&prepacked, 300));
+        b.record("m", as_form(&mapped, 120));
+        let reopened = FootprintStore::open(&dir.join("state"));
+        assert_eq!(reopened.get("m", &prepacked).and_then(|l| l.steady_bytes), Some(300));
+        assert_eq!(reopened.get("m", &mapped).and_then(|l| l.steady_bytes), Some(120));
+        // The latest is kept by name too, for readers of the file (deploy/capacity.py).
+        let file: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(dir.join("state/footprints.json")).unwrap()).unwrap();
+        assert_eq!(file["footprints"]["m"]["steady_bytes"], 120);
         fs::write(dir.join("state/footprints.json"), b"{not json").unwrap();
         assert_eq!(FootprintStore::open(&dir.join("state")).get("m", &fp), None);
         fs::remove_dir_all(dir).unwrap();
