@@ -158,12 +158,19 @@ fn promotable(m: &config::ModelSettings, weights: Weights) -> bool {
 /// `snooze prepare`: makes every one-time copy the config's models may load from (ORT
 /// format, prepacked), as a server would in the background, but now and in the
 /// foreground — for an image build, an init container or a deploy. Reports each model
-/// through `report`; returns how many preparations failed.
-pub fn prepare(config: &Config, mut report: impl FnMut(&str)) -> anyhow::Result<usize> {
+/// through `report`. A model whose files cannot be read (corrupt, truncated, not a model
+/// of its backend) is reported as such: an init container that said "nothing to
+/// prepare" for it, and exited 0, left a server failing its every request.
+pub fn prepare(config: &Config, mut report: impl FnMut(&str)) -> anyhow::Result<Prepared> {
     let backends = Backends::for_config(config)?;
-    let mut failed = 0;
+    let mut done = Prepared::default();
     for m in &config.models {
         let backend = backends.get(m.backend)?;
+        if let Err(e) = backend.signature(&m.path) {
+            report(&format!("{}: FAILED: the model cannot be read: {e}", m.name));
+            done.unreadable.push(m.name.clone());
+            continue;
+        }
         // `auto` is decided by the budget at each start (an image is built on another
         // machine than it runs on): both forms it may choose.
         let forms = match (backend.fixed_weights(&m.path), m.weights) {
@@ -196,7 +203,7 @@ pub fn prepare(config: &Config, mut report: impl FnMut(&str)) -> anyhow::Result<
                     started.elapsed().as_secs_f64()
                 )),
                 Err(e) => {
-                    failed += 1;
+                    done.failed += 1;
                     report(&format!("{}: FAILED ({}): {e}", m.name, form.as_str()));
                 }
             }
@@ -206,7 +213,16 @@ pub fn prepare(config: &Config, mut report: impl FnMut(&str)) -> anyhow::Result<
             report(&format!("{}: nothing to prepare", m.name));
         }
     }
-    Ok(failed)
+    Ok(done)
+}
+
+/// What [`prepare`] could not do.
+#[derive(Debug, Default)]
+pub struct Prepared {
+    /// Preparations that failed: their models still load, from their own files.
+    pub failed: usize,
+    /// Models whose files cannot be read at all.
+    pub unreadable: Vec<String>,
 }
 
 /// Builds the model manager and the HTTP state from a validated config. Must run

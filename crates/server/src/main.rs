@@ -305,8 +305,15 @@ async fn serve(args: ServeArgs, overrides: RawServer) -> anyhow::Result<()> {
 fn prepare(args: ServeArgs, overrides: RawServer) -> anyhow::Result<()> {
     let config = load_config(args.config.as_ref(), overrides, args.model_dir.clone())?;
     println!("state_dir: {}", config.server.state_dir.display());
-    let failed = snooze_server::prepare(&config, |line| println!("{line}"))?;
-    match failed {
+    let done = snooze_server::prepare(&config, |line| println!("{line}"))?;
+    if !done.unreadable.is_empty() {
+        anyhow::bail!(
+            "{} model(s) cannot be read ({}): a server would fail their every request",
+            done.unreadable.len(),
+            done.unreadable.join(", ")
+        );
+    }
+    match done.failed {
         0 => Ok(()),
         n => anyhow::bail!("{n} preparation(s) failed; the models still load, from their .onnx"),
     }

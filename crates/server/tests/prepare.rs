@@ -162,3 +162,35 @@ fn snooze_prepare_names_whisper_s_one_cached_form() {
     assert!(stdout.contains("w: prepared (prepacked)"), "{stdout}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn snooze_prepare_fails_on_a_model_it_cannot_read() {
+    // A corrupt or truncated model was "nothing to prepare" with exit 0: an init
+    // container passed, and the server then failed the model's every request.
+    let dir = fresh_dir("unreadable");
+    let truncated = dir.join("truncated");
+    std::fs::create_dir_all(&truncated).expect("dir");
+    let whole = std::fs::read(models_dir().join("mlp-10m/model.onnx")).expect("model");
+    std::fs::write(truncated.join("model.onnx"), &whole[..5000]).expect("truncated model");
+    let cfg = dir.join("snooze.toml");
+    let text = format!(
+        "[models.cut]\npath = \"{}\"\n[models.small]\npath = \"{}/mlp-10m\"\nweights = \"mapped\"\n",
+        truncated.display(),
+        models_dir().display()
+    );
+    std::fs::write(&cfg, text).expect("config");
+    let out = Command::new(env!("CARGO_BIN_EXE_snooze"))
+        .args(["prepare", "--config"])
+        .arg(&cfg)
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .env("ORT_DYLIB_PATH", ort_dylib())
+        .output()
+        .expect("run snooze prepare");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains("cut: FAILED: the model cannot be read"), "{stdout}");
+    assert!(stdout.contains("small: prepared (mapped)"), "the others are prepared: {stdout}");
+    assert!(stderr.contains("1 model(s) cannot be read (cut)"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
