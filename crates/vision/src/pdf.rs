@@ -70,10 +70,16 @@ impl RenderPlan {
 impl PdfDocument {
     /// Reads the document's structure (not its pages' content).
     pub fn open(bytes: Vec<u8>) -> Result<PdfDocument, VisionError> {
-        // A PDF ends with `%%EOF` (a few bytes of junk after it are common, so its last KiB
-        // is searched). Without it the file was cut short: hayro would rebuild what it can
-        // and a page whose content was lost would read as blank, a wrong answer, not an error.
-        let tail = &bytes[bytes.len().saturating_sub(1024)..];
+        // A PDF ends with `%%EOF`. Without it the file was cut short: hayro would rebuild
+        // what it can and a page whose content was lost would read as blank, a wrong
+        // answer, not an error. What may follow it: padding of any length (scanners and
+        // fax gateways fill to a block size with NULs or spaces) and a few bytes of junk
+        // (its last KiB before the padding is searched).
+        let end = bytes
+            .iter()
+            .rposition(|b| !matches!(b, 0 | b' ' | b'\t' | b'\r' | b'\n' | 0x0c))
+            .map_or(0, |i| i + 1);
+        let tail = &bytes[end.saturating_sub(1024)..end];
         if !tail.windows(5).any(|w| w == b"%%EOF") {
             return Err(VisionError::CorruptPdf {
                 reason: "it does not end with %%EOF: the file is truncated".into(),
