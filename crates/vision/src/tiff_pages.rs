@@ -98,6 +98,16 @@ impl TiffPages {
             .directories
             .get(index)
             .ok_or(VisionError::PageOutOfRange { page: index + 1, count: self.count() })?;
+        // The image crate reads such bits as if in the usual order and runs off the
+        // end: "the file ends before the image does" sent a user looking for a cut.
+        if self.entry_short(bytes, directory, FILL_ORDER) == Some(2) {
+            return Err(VisionError::UnsupportedImage {
+                format: "TIFF",
+                reason: "its bits are in reversed order (FillOrder 2, as some fax software writes them); \
+                         save it in the usual order (`tiffcp -f msb2lsb`)"
+                    .into(),
+            });
+        }
         let (patch_at, patch_len) = if self.big { (8, 8) } else { (4, 4) };
         let mut patch = [0u8; 8];
         let value = if self.little_endian { directory.to_le_bytes() } else { directory.to_be_bytes() };
@@ -110,6 +120,34 @@ impl TiffPages {
         decode_from(view, ImageKind::Tiff, limits)
     }
 }
+
+impl TiffPages {
+    /// The first value of the directory's entry `tag` when it is a SHORT (type 3); the
+    /// entries read are bounded by the file, not by the count the directory declares.
+    fn entry_short(&self, bytes: &[u8], directory: u64, tag: u16) -> Option<u16> {
+        let (count_size, entry_size, value_at) = if self.big { (8, 20, 12) } else { (2, 12, 8) };
+        let at = usize::try_from(directory).ok()?;
+        let u16_at = |i: usize| -> Option<u16> {
+            let b: [u8; 2] = bytes.get(i..i.checked_add(2)?)?.try_into().ok()?;
+            Some(if self.little_endian { u16::from_le_bytes(b) } else { u16::from_be_bytes(b) })
+        };
+        let declared = if self.big {
+            let b: [u8; 8] = bytes.get(at..at.checked_add(8)?)?.try_into().ok()?;
+            let n = if self.little_endian { u64::from_le_bytes(b) } else { u64::from_be_bytes(b) };
+            usize::try_from(n).unwrap_or(usize::MAX)
+        } else {
+            usize::from(u16_at(at)?)
+        };
+        let fits = bytes.len().saturating_sub(at + count_size) / entry_size;
+        (0..declared.min(fits))
+            .map(|i| at + count_size + i * entry_size)
+            .find(|&e| u16_at(e) == Some(tag) && u16_at(e + 2) == Some(3))
+            .and_then(|e| u16_at(e + value_at))
+    }
+}
+
+/// TIFF tag 266: 1 = the most significant bit of a byte first (the usual order), 2 = least.
+const FILL_ORDER: u16 = 266;
 
 /// `data` read through a cursor, with `patch` shown in place of the bytes at `patch_at`.
 #[derive(Clone)]
@@ -208,6 +246,22 @@ pub(crate) mod tests {
         let limits = InputLimits { max_image_pixels: 1000, ..InputLimits::default() };
         assert!(pages.decode_page(&bytes, 0, &limits).is_ok());
         assert_eq!(pages.decode_page(&bytes, 1, &limits).unwrap_err().http_status(), 413);
+    }
+
+    #[test]
+    fn reversed_bits_are_named() {
+        let mut bytes = two_page_tiff(&[(1, 1, [1, 2, 3])]);
+        let pages = TiffPages::scan(&bytes).unwrap();
+        assert!(pages.decode_page(&bytes, 0, &InputLimits::default()).is_ok());
+        // Turn the page's first entry into FillOrder = 2 (a SHORT).
+        let first = u32::from_le_bytes(bytes[4..8].try_into().unwrap()) as usize;
+        let entry = first + 2;
+        bytes[entry..entry + 2].copy_from_slice(&FILL_ORDER.to_le_bytes());
+        bytes[entry + 2..entry + 4].copy_from_slice(&3u16.to_le_bytes());
+        bytes[entry + 8..entry + 10].copy_from_slice(&2u16.to_le_bytes());
+        let err = pages.decode_page(&bytes, 0, &InputLimits::default()).unwrap_err();
+        assert!(err.to_string().contains("FillOrder 2"), "{err}");
+        assert_eq!(err.http_status(), 400, "{err}");
     }
 
     #[test]
