@@ -302,9 +302,9 @@ fn hostile_documents_get_a_clear_4xx_and_change_nothing() {
         assert!(message.contains(needle), "{what}: '{message}' does not say '{needle}'");
         // A refused option is named, as OpenAI's API names the parameter at fault (the
         // second of two that conflict).
-        if let Some((option, _)) = fields.last() {
-            assert_eq!(body["error"]["param"], *option, "{what}: {body}");
-        }
+        // A file that cannot be read is the `file` parameter's fault.
+        let param = fields.last().map_or("file", |(option, _)| *option);
+        assert_eq!(body["error"]["param"], param, "{what}: {body}");
     }
     // The document sent under another field name is pointed at `file`.
     let mut misnamed = audio::form(&[], Some(("small.png", &small)));
@@ -346,9 +346,15 @@ fn hostile_documents_get_a_clear_4xx_and_change_nothing() {
     let encoded = base64::engine::general_purpose::STANDARD.encode(&small);
     let wrapped: Vec<&str> = encoded.as_bytes().chunks(76).map(|c| std::str::from_utf8(c).unwrap()).collect();
     // Media types are case-insensitive.
+    // And as browsers and Python's urlsafe_b64encode write it: the URL-safe alphabet,
+    // `=` padding left off; a data: URL's scheme in any case.
+    let url_safe = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&small);
+    assert!(url_safe.contains(['-', '_']) && encoded.ends_with('='), "the fixture shows both");
     for (file, content_type) in [
         (wrapped.join("\n"), "application/json"),
         (format!("data:image/png;base64,{encoded}"), "Application/JSON"),
+        (url_safe, "application/json"),
+        (format!("DATA:image/png;base64,{}", encoded.trim_end_matches('=')), "application/json"),
     ] {
         let request = json!({"file": file, "min_score": "0.5", "pages": null});
         let resp = client()
@@ -362,6 +368,19 @@ fn hostile_documents_get_a_clear_4xx_and_change_nothing() {
         assert_eq!(resp.headers()["x-snooze-model"], "ocr");
         let body: Value = resp.json().unwrap();
         assert_eq!(body["pages"], first["pages"]);
+    }
+    // What is not base64 is named as the user wrote it, not by an offset into a copy.
+    for (file, says) in [("iVBOR$w0K", "'$', which is not a base64 character"), ("iVBORw0KG", "cut short")] {
+        let resp = client()
+            .post(server.url("/v1/ocr"))
+            .header("content-type", "application/json")
+            .body(json!({ "file": file }).to_string())
+            .send()
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 400);
+        let body: Value = resp.json().unwrap();
+        assert!(body["error"]["message"].as_str().unwrap().contains(says), "{file}: {body}");
+        assert_eq!(body["error"]["param"], "file", "{body}");
     }
     // The detector alone over KServe: its metadata takes any height and width, but under
     // 32 px a side its skip connections no longer line up; the request's fault, a 400.

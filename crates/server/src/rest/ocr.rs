@@ -149,11 +149,13 @@ fn option_text(name: &str, v: &Value) -> Result<String, OpenAiError> {
     }
 }
 
-/// A base64 document as people paste it: wrapped lines (what `base64` prints) and a
-/// `data:` URL prefix are taken.
+/// A base64 document as people paste it: wrapped lines (what `base64` prints), a `data:`
+/// URL prefix (the scheme in any case), the URL-safe alphabet (`-`, `_`) and missing
+/// `=` padding are taken (browsers' and Python's `urlsafe_b64encode` write those).
 fn decode_base64(text: &str) -> Result<Vec<u8>, OpenAiError> {
-    let text = match text.strip_prefix("data:") {
-        Some(url) => url.split_once(";base64,").map(|(_, b)| b).ok_or_else(|| {
+    use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
+    let text = match text.get(..5).filter(|scheme| scheme.eq_ignore_ascii_case("data:")) {
+        Some(_) => text[5..].split_once(";base64,").map(|(_, b)| b).ok_or_else(|| {
             bad("file", "`file` is a data: URL without \";base64,\": send the document base64-encoded")
         })?,
         None => text,
@@ -165,9 +167,26 @@ fn decode_base64(text: &str) -> Result<Vec<u8>, OpenAiError> {
     } else {
         text.as_bytes().into()
     };
-    base64::engine::general_purpose::STANDARD
-        .decode(&text)
-        .map_err(|e| bad("file", format!("`file` is not base64: {e}")))
+    let config = GeneralPurposeConfig::new().with_decode_padding_mode(DecodePaddingMode::Indifferent);
+    let url_safe = text.iter().any(|&b| b == b'-' || b == b'_');
+    let alphabet = if url_safe { &base64::alphabet::URL_SAFE } else { &base64::alphabet::STANDARD };
+    GeneralPurpose::new(alphabet, config).decode(&text).map_err(|e| {
+        let why = match e {
+            base64::DecodeError::InvalidByte(_, byte) | base64::DecodeError::InvalidLastSymbol(_, byte)
+                if !byte.is_ascii_graphic() =>
+            {
+                format!("it holds the byte 0x{byte:02x}, which base64 has no place for")
+            }
+            base64::DecodeError::InvalidByte(_, byte) => {
+                format!("it holds '{}', which is not a base64 character", byte as char)
+            }
+            base64::DecodeError::InvalidLastSymbol(..) | base64::DecodeError::InvalidLength(_) => {
+                "its length or its last characters do not end a base64 text (cut short?)".to_string()
+            }
+            other => other.to_string(),
+        };
+        bad("file", format!("`file` is not base64: {why}"))
+    })
 }
 
 /// A JSON object's members in the order written, repeats kept: `serde_json::Map` keeps the

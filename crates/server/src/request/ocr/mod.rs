@@ -316,9 +316,11 @@ pub async fn read(
         // Decoding allocates what no model's run should count as its own.
         let _work = WORK.begin();
         let limits = open_limits;
-        let doc = Document::open(bytes, &limits).map_err(|e| ReadError(vision_error(e), None))?;
-        // A selection past the end or over `max_pages` is the option's fault.
-        let about = selection.as_ref().map(|_| "pages");
+        // What cannot be opened (corrupt, of an unknown format, too many pixels) is the
+        // uploaded file's fault, and so is a document over `max_pages` read whole; a
+        // selection past the end or over `max_pages` is the option's.
+        let doc = Document::open(bytes, &limits).map_err(|e| ReadError(vision_error(e), Some("file")))?;
+        let about = Some(if selection.is_some() { "pages" } else { "file" });
         let pages = doc.select(selection.as_ref(), &limits).map_err(|e| ReadError(vision_error(e), about))?;
         Ok::<_, ReadError>((Arc::new(doc), pages))
     })
@@ -336,7 +338,7 @@ pub async fn read(
         })
         .await
         .map_err(|e| SnoozeError::new(ErrorKind::Internal, format!("the page renderer stopped: {e}")))?
-        .map_err(vision_error)?;
+        .map_err(|e| ReadError(vision_error(e), Some("file")))?;
         usage.decode_ms += ms(clock.elapsed());
         // The detector: every page of the batch, each at a scale its run can take.
         let mut dets = Vec::with_capacity(images.len());
