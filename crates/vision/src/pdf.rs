@@ -175,7 +175,11 @@ pub fn plan_render(
     limits: &InputLimits,
 ) -> Result<RenderPlan, VisionError> {
     let asked = f64::from(limits.pdf_dpi);
-    let size = |dpi: f64| ((w_pt * dpi / 72.0).floor(), (h_pt * dpi / 72.0).floor());
+    // Page boxes come as f32: a 460.8-point side is 460.79998, 959.99996 pixels at 150
+    // DPI; floored, a pixel short of what the page is. Within a thousandth of a pixel,
+    // a side is whole.
+    let pixels = |pt: f64, dpi: f64| (pt * dpi / 72.0 + 1e-3).floor();
+    let size = |dpi: f64| (pixels(w_pt, dpi), pixels(h_pt, dpi));
     let fits = |(w, h): (f64, f64)| w * h <= limits.max_image_pixels as f64 && w.max(h) <= MAX_SIDE;
     let mut dpi = asked;
     if !fits(size(dpi)) {
@@ -220,6 +224,9 @@ mod tests {
         let strip = plan_render(0, 100_000.0, 100.0, &limits).unwrap();
         assert_eq!((strip.width, strip.height), (65_535, 65), "{strip:?}");
         assert!(plan_render(0, 1e12, 1e-6, &limits).is_err());
+        // An image saved as a PDF at 100 DPI: a 960 x 330 page, its box in f32.
+        let saved = plan_render(0, f64::from(460.8f32), f64::from(158.4f32), &limits).unwrap();
+        assert_eq!((saved.width, saved.height), (960, 330));
     }
 
     #[test]
