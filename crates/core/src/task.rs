@@ -36,6 +36,17 @@ pub enum Progress {
 pub struct WorkSize {
     pub class: u8,
     pub units: u64,
+    /// Bytes per unit the work expects to hold until its class is measured (0: it has
+    /// no idea, and the model's largest run is held). A detector's first page held
+    /// nothing for its activations, ~200 MiB for a letter-size page, and a process
+    /// under a byte budget went past it.
+    pub prior_bytes_per_unit: u32,
+}
+
+impl WorkSize {
+    pub fn new(class: u8, units: u64) -> WorkSize {
+        WorkSize { class, units, prior_bytes_per_unit: 0 }
+    }
 }
 
 /// Advances every job of a batch by one slice on `model`, in place, and returns one
@@ -56,7 +67,7 @@ pub trait TaskJob: Any + Send {
     /// scheduler (see `max_concurrent_slices`); a request that is not a task job says
     /// nothing, and the model's largest working set is held for it.
     fn work_size(&self) -> Option<WorkSize> {
-        Some(WorkSize { class: 0, units: u64::from(self.rows()) })
+        Some(WorkSize::new(0, u64::from(self.rows())))
     }
     /// Bytes of request data the job holds (charged to request memory).
     fn byte_size(&self) -> usize;

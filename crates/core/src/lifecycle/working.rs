@@ -20,13 +20,15 @@ pub(super) struct RunHold {
 
 impl ModelSlot {
     /// What a run of work of these sizes is expected to hold at its peak: the bytes
-    /// per unit its class measured, or the model's largest run when a piece of it says
-    /// nothing of its size or its class was never measured.
+    /// per unit its class measured (until then, the work's own prior), or the model's
+    /// largest run when a piece of it says nothing of its size, or its class was never
+    /// measured and it has no prior.
     pub(super) fn reservation(&self, sizes: impl IntoIterator<Item = Option<WorkSize>>) -> u64 {
         let mut total = 0u64;
         for size in sizes {
             let Some(size) = size else { return self.working_bytes };
-            let Some(rate) = self.rate(size.class) else { return self.working_bytes };
+            let prior = (size.prior_bytes_per_unit > 0).then_some(f64::from(size.prior_bytes_per_unit));
+            let Some(rate) = self.rate(size.class).or(prior) else { return self.working_bytes };
             total = total.saturating_add((rate * size.units as f64).ceil() as u64);
         }
         total

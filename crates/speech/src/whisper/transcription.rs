@@ -313,11 +313,7 @@ impl TaskJob for Transcription {
     /// holds tens of MiB); a decoder step holds little per live hypothesis (class 0).
     fn work_size(&self) -> Option<WorkSize> {
         let starting = self.window.is_none() || super::runner::is_starting(self);
-        Some(if starting {
-            WorkSize { class: 1, units: 1 }
-        } else {
-            WorkSize { class: 0, units: self.live() as u64 }
-        })
+        Some(if starting { WorkSize::new(1, 1) } else { WorkSize::new(0, self.live() as u64) })
     }
 
     fn byte_size(&self) -> usize {

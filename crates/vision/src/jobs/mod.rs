@@ -45,7 +45,7 @@ use snooze_core::{InferError, LoadedModel, Progress, TaskJob, Tensor};
 use crate::{error::VisionError, pipeline::StageTimes};
 
 pub use cls::{run_cls_slice, ClsJob};
-pub use det::{run_det_slice, DetJob, DetectedPage, SOLO_PIXELS};
+pub use det::{run_det_slice, DetJob, DetectedPage, PRIOR_BYTES_PER_PIXEL, SOLO_PIXELS};
 pub use rec::{run_rec_slice, RecJob};
 
 /// Time one job spent in its stage. Work done for a whole shared run (building its

@@ -105,7 +105,7 @@ impl TaskJob for RecJob {
     /// The recogniser's activations grow with its input: rows x padded width.
     fn work_size(&self) -> Option<WorkSize> {
         let units = self.crops.next_batch().len() * self.next_width();
-        Some(WorkSize { class: 0, units: units as u64 })
+        Some(WorkSize::new(0, units as u64))
     }
 
     fn byte_size(&self) -> usize {

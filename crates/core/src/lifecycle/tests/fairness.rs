@@ -133,14 +133,14 @@ fn a_slice_does_not_jump_ahead_of_requests_of_its_own_model() {
 
 /// Submits a slice of long work (a task job, which says its size) to `name`.
 fn submit_slice(h: &mut Harness, name: &str) -> (RequestId, Vec<Action>) {
-    let (req, a) = h.submit_sized(name, 3, WorkSize { class: 0, units: 1 });
+    let (req, a) = h.submit_sized(name, 3, WorkSize::new(0, 1));
     (req, h.settle(a))
 }
 
 /// The slice of `req` ends and its job goes on to the next.
 fn long_slice_ends(h: &mut Harness, req: RequestId) -> Vec<Action> {
     let (model, reqs, _) = h.batch_of(req).expect("dispatched");
-    let size = Some(WorkSize { class: 0, units: 1 });
+    let size = Some(WorkSize::new(0, 1));
     let a = h.feed(Event::RunFinished {
         model,
         reqs: reqs.clone(),

@@ -219,7 +219,7 @@ fn a_model_asked_for_while_a_long_load_would_run_is_not_evicted_for_it() {
 
 /// Submits one request of `name` whose work says its size, and lets loads run.
 fn submit_sized(h: &mut Harness, name: &str, class: u8, units: u64) -> RequestId {
-    let (req, a) = h.submit_sized(name, 7, WorkSize { class, units });
+    let (req, a) = h.submit_sized(name, 7, WorkSize::new(class, units));
     h.settle(a);
     req
 }
@@ -296,6 +296,31 @@ fn a_page_s_working_set_follows_its_pixels() {
 }
 
 #[test]
+fn a_first_page_holds_its_own_prior_until_its_kind_of_work_is_measured() {
+    // A detector never run declares no working set: its first page held nothing for
+    // activations of hundreds of MiB, and the process went past a byte budget.
+    let mut h = Harness::new(1000, &[("det", 50), ("a", 300), ("b", 300)]);
+    let det = h.id("det");
+    h.call_a_second_apart(&["a", "b"]);
+    h.at(2.0);
+    let size = WorkSize { prior_bytes_per_unit: 400, ..WorkSize::new(0, 1_000_000) };
+    let (first, a) = h.submit_sized("det", 7, size);
+    h.settle(a);
+    assert_eq!(h.outcome(first), Some(Ok(())));
+    assert_eq!(h.s.slot(det).working_reserved(), 400_000_000, "a million pixels at its prior");
+    assert_eq!(h.evictions(), ["a"], "650 MB + 400 MB do not fit in 1000");
+    // What the run measured replaces the prior.
+    assert_eq!(h.s.learn_sized(det, 100 * MB, &[first]), Some((0, 100.0 * MB as f64 / 1e6)));
+    h.finish(first);
+    h.at(3.0);
+    let (second, a) = h.submit_sized("det", 7, size);
+    h.settle(a);
+    assert_eq!(h.outcome(second), Some(Ok(())));
+    assert_eq!(h.s.slot(det).working_reserved(), 100 * MB);
+    h.finish(second);
+}
+
+#[test]
 fn only_runs_of_one_kind_of_work_that_said_its_size_teach_a_rate() {
     let mut h = Harness::with(1000, &[("m", 100)], |p| p.max_batch_size = 8);
     let m = h.id("m");
@@ -309,7 +334,7 @@ fn only_runs_of_one_kind_of_work_that_said_its_size_teach_a_rate() {
     h.settle(a);
     let (mut sized, mut actions) = (Vec::new(), Vec::new());
     for class in [0, 1] {
-        let (req, a) = h.submit_sized("m", 7, WorkSize { class, units: 1 });
+        let (req, a) = h.submit_sized("m", 7, WorkSize::new(class, 1));
         actions.extend(a);
         sized.push(req);
     }

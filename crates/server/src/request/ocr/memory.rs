@@ -17,7 +17,7 @@ use super::{vision_error, Pipeline};
 use crate::request::AppState;
 
 /// Before anything was learned: 160 MiB for a 736 x 960 input, rounded up.
-const PRIOR_BYTES_PER_PIXEL: f64 = 240.0;
+const PRIOR_BYTES_PER_PIXEL: f64 = snooze_vision::jobs::PRIOR_BYTES_PER_PIXEL as f64;
 /// The least a page is read at: below, text is not worth reading.
 const MIN_LONG_SIDE: usize = 320;
 
