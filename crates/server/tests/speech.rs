@@ -121,7 +121,12 @@ fn english_clips_match_their_transcripts_in_every_format() {
         let bytes = clip.bytes();
         let json = transcribe(&s.base, TINY, &bytes, &[]);
         assert_eq!(json.content_type, "application/json", "{}", clip.name);
-        assert_eq!(json.json().as_object().map(|o| o.len()), Some(1), "json is only {{text}}: {}", json.body);
+        // `{text, usage}`, as OpenAI's json is for whisper-1 (billed by the second).
+        let body = json.json();
+        assert_eq!(body.as_object().map(|o| o.len()), Some(2), "json is {{text, usage}}: {}", json.body);
+        assert_eq!(body["usage"]["type"], "duration", "{}", json.body);
+        let seconds = body["usage"]["seconds"].as_f64().unwrap_or(0.0);
+        assert!((seconds - clip.seconds()).abs() < 0.05, "{}: usage {seconds} s", clip.name);
         let text = json.text();
         assert_wer(&clip.name, &clip.words, &text, 0.10);
         if i >= 2 {

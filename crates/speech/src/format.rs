@@ -130,6 +130,13 @@ struct VerboseBody<'a> {
 /// The response body for `transcript` in `format`.
 pub fn render(transcript: &Transcript, format: ResponseFormat) -> String {
     match format {
+        // OpenAI's transcription `json` carries the usage too (whisper-1 bills by the
+        // second: the SDKs' `Transcription.usage` was None); a translation's is its text.
+        ResponseFormat::Json if transcript.task == Task::Transcribe => serde_json::json!({
+            "text": transcript.text,
+            "usage": Usage { kind: "duration", seconds: transcript.duration },
+        })
+        .to_string(),
         ResponseFormat::Json => serde_json::json!({ "text": transcript.text }).to_string(),
         ResponseFormat::Text => format!("{}\n", transcript.text),
         ResponseFormat::Srt => subtitles(transcript, Subtitles::Srt),

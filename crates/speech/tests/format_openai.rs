@@ -45,7 +45,10 @@ fn text_is_the_joined_segments_and_a_newline() {
         "And Mister John Dashwood had then leisure to consider how much there might be --> prudently\n\nin his power."
     );
     assert_eq!(render(&t, ResponseFormat::Text), format!("{}\n", t.text));
-    assert_eq!(render(&t, ResponseFormat::Json), json!({ "text": t.text }).to_string());
+    let usage = json!({ "type": "duration", "seconds": 7.1 });
+    assert_eq!(render(&t, ResponseFormat::Json), json!({ "text": t.text, "usage": usage }).to_string());
+    let translation = Transcript { task: Task::Translate, ..t.clone() };
+    assert_eq!(render(&translation, ResponseFormat::Json), json!({ "text": t.text }).to_string());
 }
 
 #[test]
@@ -176,7 +179,14 @@ fn the_openai_sdk_parses_every_format() {
             "json" => {
                 let expected = if endpoint == "transcriptions" { "Transcription" } else { "Translation" };
                 assert_eq!(result["type"], expected);
-                assert_eq!(result["value"], json!({ "text": t.text }));
+                // A transcription's usage is a field of the SDK's type, not an extra.
+                let value = if endpoint == "transcriptions" {
+                    json!({ "text": t.text, "usage": { "type": "duration", "seconds": 7.1 } })
+                } else {
+                    json!({ "text": t.text })
+                };
+                assert_eq!(result["value"], value, "{endpoint}");
+                assert_eq!(result["extra"], json!([]), "{endpoint}");
             }
             _ => {
                 let sent: Value = serde_json::from_str(body).unwrap();
