@@ -376,3 +376,36 @@ fn a_working_set_within_the_headroom_does_not_wait_for_a_long_job() {
     h.finish(running);
     assert_eq!(h.outcome(large), Some(Ok(())));
 }
+
+#[test]
+fn a_slice_of_long_work_waits_for_another_rather_than_evict_idle_models() {
+    // A page (450 MB of work) runs; a transcription's encoder pass (300 MB) would fit by
+    // evicting the two light models asked for between them. It waits for the page's run
+    // instead: side by side they only share the cores, and the light models' next
+    // requests would wait for their reloads' room until the page ended.
+    let mut h = Harness::new(1000, &[("det", 100), ("asr", 100), ("s1", 50), ("s2", 50)]);
+    h.call_a_second_apart(&["s1", "s2", "det", "asr"]);
+    h.at(5.0);
+    let page = WorkSize { prior_bytes_per_unit: 450, ..WorkSize::new(0, 1_000_000) };
+    let pass = WorkSize { prior_bytes_per_unit: 300, ..WorkSize::new(1, 1_000_000) };
+    let (first, a) = h.submit_sized("det", 7, page);
+    h.settle(a);
+    assert_eq!(h.outcome(first), Some(Ok(())));
+    h.at(5.1);
+    let (second, a) = h.submit_sized("asr", 8, pass);
+    h.settle(a);
+    assert_eq!(h.outcome(second), None, "750 MB in use: 300 more fit only by evicting");
+    assert!(h.evictions().is_empty(), "{:?}", h.evictions());
+    h.at(6.0);
+    h.finish(first);
+    assert_eq!(h.outcome(second), Some(Ok(())), "its turn once the page's run ended");
+    assert!(h.evictions().is_empty(), "550 MB in use: nothing to evict: {:?}", h.evictions());
+    h.finish(second);
+    // With no other slice running, a slice evicts what it must.
+    h.at(7.0);
+    let big = WorkSize { prior_bytes_per_unit: 750, ..WorkSize::new(0, 1_000_000) };
+    let (alone, a) = h.submit_sized("det", 7, big);
+    h.settle(a);
+    assert_eq!(h.outcome(alone), Some(Ok(())));
+    assert_eq!(h.evictions().len(), 1, "{:?}", h.evictions());
+}
