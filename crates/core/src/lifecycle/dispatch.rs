@@ -64,6 +64,10 @@ impl Scheduler {
             if self.waits_for_memory(model) {
                 return;
             }
+            if let Some(until) = self.slice_waits(model, now) {
+                self.wake = Some(self.wake.map_or(until, |w| w.min(until)));
+                return;
+            }
             let s = &self.slots[model];
             let max = s.policy.max_batch_size.max(1);
             if !s.policy.batch_delay.is_zero() && head.key.is_some() && s.queue.batchable_rows() < max {

@@ -9,6 +9,11 @@
 use super::*;
 use slot::ModelSlot;
 
+/// The longest a slice of long work waits for another model's slice to end rather than
+/// evict idle models (see [`Scheduler::slice_waits`]): longer than the slowest slice of
+/// the mix (a detector pass over a 3-megapixel input: ~1.9 s on 2 cores).
+pub(super) const SLICE_WAIT: Duration = Duration::from_millis(2500);
+
 /// A run in flight: what it holds against the budget, and whether it is a slice of long
 /// work (a task job's).
 #[derive(Debug, Clone, Copy)]
@@ -110,16 +115,6 @@ impl Scheduler {
     /// transcription whenever the jobs in flight hold the budget, and every light model
     /// with them (the mix's seconds-long stalls of every light task at once). The
     /// working set is the one expected of the request at the head of its queue.
-    ///
-    /// A slice of long work (a task job's: a page's detection, an encoder pass) waits
-    /// sooner: while another model runs a slice, for as long as its working set does
-    /// not fit in what is free without evicting anything. Long jobs side by side only
-    /// share the cores, and the idle models their working sets evicted were the light
-    /// ones asked for between them: in the mix at half its memory, a page's detector
-    /// (450 MiB for a small crop read at 736 px) beside a transcription's encoder pass
-    /// evicted every model, and each light request then waited for its model's room
-    /// until the page ended. When the other slice ends, this one runs, and evicts what
-    /// it must then, the model worth least first.
     pub(super) fn waits_for_memory(&self, model: ModelId) -> bool {
         let s = &self.slots[model];
         let Some(device) = s.device() else { return false };
@@ -133,24 +128,43 @@ impl Scheduler {
         if !others_working {
             return false;
         }
-        let need = working.saturating_add(self.config.headroom);
-        let others_slicing = head.size.is_some()
-            && self
-                .slots
-                .iter()
-                .enumerate()
-                .any(|(id, o)| id != model && o.slices_running() > 0 && o.device() == Some(device));
-        let in_place = self.accounted(device).saturating_sub(self.leaving(device));
-        if others_slicing && need > self.budget(device).saturating_sub(in_place) {
-            return true;
-        }
         let idle: u64 = self
             .slots
             .iter()
             .filter(|o| o.idle().is_some() && !o.policy.pinned)
             .filter_map(|o| o.held_on(device))
             .sum();
-        let staying = in_place.saturating_sub(idle);
-        need > self.budget(device).saturating_sub(staying)
+        let staying = self.accounted(device).saturating_sub(self.leaving(device) + idle);
+        working.saturating_add(self.config.headroom) > self.budget(device).saturating_sub(staying)
+    }
+
+    /// A slice of long work (a task job's: a page's detection, an encoder pass) waits
+    /// sooner than `waits_for_memory` says: while another model runs a slice, for as long
+    /// as its working set does not fit in what is free without evicting anything — at
+    /// most [`SLICE_WAIT`] from when it was queued, so long work beside long work is not
+    /// starved either. Long jobs side by side only share the cores, and the idle models
+    /// their working sets evicted were the light ones asked for between them: in the mix
+    /// at half its memory, a page's detector (450 MiB for a small crop read at 736 px)
+    /// beside a transcription's encoder pass evicted every model, and each light request
+    /// then waited for its model's room until the page ended. When the other slice ends,
+    /// this one runs and evicts what it must, the model worth least first. Returns until
+    /// when it waits.
+    pub(super) fn slice_waits(&self, model: ModelId, now: Instant) -> Option<Instant> {
+        let s = &self.slots[model];
+        let device = s.device()?;
+        let head = s.queue.head().filter(|h| h.size.is_some())?;
+        let until = head.since + SLICE_WAIT;
+        let working = s.reservation([head.size]);
+        if now >= until || s.running > 0 || working <= self.config.headroom {
+            return None;
+        }
+        let others_slicing = self
+            .slots
+            .iter()
+            .enumerate()
+            .any(|(id, o)| id != model && o.slices_running() > 0 && o.device() == Some(device));
+        let in_place = self.accounted(device).saturating_sub(self.leaving(device));
+        let free = self.budget(device).saturating_sub(in_place);
+        (others_slicing && working.saturating_add(self.config.headroom) > free).then_some(until)
     }
 }

@@ -4,6 +4,7 @@
 //! is idle; growth that pushes the accounted memory over the budget evicts idle models.
 
 use super::*;
+use crate::lifecycle::working::SLICE_WAIT;
 
 /// Runs the request `req` of `model` to its end, the run having left `kept` bytes
 /// resident and held `transient` bytes at its peak (what the actor learns first).
@@ -408,4 +409,31 @@ fn a_slice_of_long_work_waits_for_another_rather_than_evict_idle_models() {
     h.settle(a);
     assert_eq!(h.outcome(alone), Some(Ok(())));
     assert_eq!(h.evictions().len(), 1, "{:?}", h.evictions());
+}
+
+#[test]
+fn a_slice_waits_for_another_at_most_slice_wait_then_evicts() {
+    // Long work beside long work that never pauses is not starved: past SLICE_WAIT from
+    // when it was queued, the slice runs, evicting what it must.
+    let mut h = Harness::new(1000, &[("det", 100), ("asr", 100), ("s1", 50), ("s2", 50)]);
+    h.call_a_second_apart(&["s1", "s2", "det", "asr"]);
+    h.at(5.0);
+    let page = WorkSize { prior_bytes_per_unit: 450, ..WorkSize::new(0, 1_000_000) };
+    let pass = WorkSize { prior_bytes_per_unit: 300, ..WorkSize::new(1, 1_000_000) };
+    let (long, a) = h.submit_sized("det", 7, page);
+    h.settle(a);
+    h.at(5.1);
+    let (waiting, a) = h.submit_sized("asr", 8, pass);
+    h.settle(a);
+    assert_eq!(h.outcome(waiting), None);
+    h.at(5.1 + SLICE_WAIT.as_secs_f64() - 0.01);
+    let a = h.tick();
+    h.settle(a);
+    assert_eq!(h.outcome(waiting), None, "still within its wait");
+    h.at(5.1 + SLICE_WAIT.as_secs_f64());
+    let a = h.tick();
+    h.settle(a);
+    assert_eq!(h.outcome(waiting), Some(Ok(())), "its wait is over: it runs beside the page");
+    assert_eq!(h.evictions().len(), 1, "making room for 300 MB: {:?}", h.evictions());
+    h.finish(long);
 }
