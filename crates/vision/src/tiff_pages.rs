@@ -119,9 +119,7 @@ impl TiffPages {
         let view = PatchedView { data: bytes, pos: 0, patch_at, patch, patch_len };
         decode_from(view, ImageKind::Tiff, limits)
     }
-}
 
-impl TiffPages {
     /// The first value of the directory's entry `tag` when it is a SHORT (type 3); the
     /// entries read are bounded by the file, not by the count the directory declares.
     fn entry_short(&self, bytes: &[u8], directory: u64, tag: u16) -> Option<u16> {
