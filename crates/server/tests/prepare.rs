@@ -40,6 +40,18 @@ fn fresh_dir(name: &str) -> std::path::PathBuf {
     dir
 }
 
+/// Runs `snooze prepare` on the config `cfg` with the state dir `state`.
+fn prepare_cli(cfg: &Path, state: &Path) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_snooze"))
+        .args(["prepare", "--config"])
+        .arg(cfg)
+        .arg("--state-dir")
+        .arg(state)
+        .env("ORT_DYLIB_PATH", ort_dylib())
+        .output()
+        .expect("run snooze prepare")
+}
+
 fn call(s: &Server, model: &str, reference_of: &str) {
     let r = reference(reference_of);
     let (status, body, _) = s.post(&format!("/v2/models/{model}/infer"), &infer_body(&r));
@@ -55,15 +67,7 @@ fn snooze_prepare_fills_a_fresh_state_dir_and_a_second_run_has_nothing_to_do() {
     std::fs::write(&cfg, config("")).expect("config");
     let state = dir.join("state");
     let run = || {
-        let out = Command::new(env!("CARGO_BIN_EXE_snooze"))
-            .arg("prepare")
-            .arg("--config")
-            .arg(&cfg)
-            .arg("--state-dir")
-            .arg(&state)
-            .env("ORT_DYLIB_PATH", ort_dylib())
-            .output()
-            .expect("run snooze prepare");
+        let out = prepare_cli(&cfg, &state);
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
         stdout
@@ -148,14 +152,7 @@ fn snooze_prepare_names_whisper_s_one_cached_form() {
     let cfg = dir.join("snooze.toml");
     let text = format!("[models.w]\npath = \"{}/whisper-tiny-en\"\n", models_dir().display());
     std::fs::write(&cfg, text).expect("config");
-    let out = Command::new(env!("CARGO_BIN_EXE_snooze"))
-        .args(["prepare", "--config"])
-        .arg(&cfg)
-        .arg("--state-dir")
-        .arg(dir.join("state"))
-        .env("ORT_DYLIB_PATH", ort_dylib())
-        .output()
-        .expect("run snooze prepare");
+    let out = prepare_cli(&cfg, &dir.join("state"));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(stdout.matches("w: prepared").count(), 1, "{stdout}");
@@ -179,14 +176,7 @@ fn snooze_prepare_fails_on_a_model_it_cannot_read() {
         models_dir().display()
     );
     std::fs::write(&cfg, text).expect("config");
-    let out = Command::new(env!("CARGO_BIN_EXE_snooze"))
-        .args(["prepare", "--config"])
-        .arg(&cfg)
-        .arg("--state-dir")
-        .arg(dir.join("state"))
-        .env("ORT_DYLIB_PATH", ort_dylib())
-        .output()
-        .expect("run snooze prepare");
+    let out = prepare_cli(&cfg, &dir.join("state"));
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(!out.status.success(), "{stdout}{stderr}");
     assert!(stdout.contains("cut: FAILED: the model cannot be read"), "{stdout}");

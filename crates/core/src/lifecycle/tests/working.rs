@@ -378,23 +378,30 @@ fn a_working_set_within_the_headroom_does_not_wait_for_a_long_job() {
     assert_eq!(h.outcome(large), Some(Ok(())));
 }
 
+/// Two long-work models and two light ones resident in 1000 MB: a page's slice (450 MB
+/// of work) submitted at 5.0 s, then a transcription's encoder pass (300 MB) at 5.1 s.
+fn a_page_then_an_encoder_pass() -> (Harness, RequestId, RequestId) {
+    let mut h = Harness::new(1000, &[("det", 100), ("asr", 100), ("s1", 50), ("s2", 50)]);
+    h.call_a_second_apart(&["s1", "s2", "det", "asr"]);
+    h.at(5.0);
+    let page = WorkSize { prior_bytes_per_unit: 450, ..WorkSize::new(0, 1_000_000) };
+    let (first, a) = h.submit_sized("det", 7, page);
+    h.settle(a);
+    h.at(5.1);
+    let pass = WorkSize { prior_bytes_per_unit: 300, ..WorkSize::new(1, 1_000_000) };
+    let (second, a) = h.submit_sized("asr", 8, pass);
+    h.settle(a);
+    (h, first, second)
+}
+
 #[test]
 fn a_slice_of_long_work_waits_for_another_rather_than_evict_idle_models() {
     // A page (450 MB of work) runs; a transcription's encoder pass (300 MB) would fit by
     // evicting the two light models asked for between them. It waits for the page's run
     // instead: side by side they only share the cores, and the light models' next
     // requests would wait for their reloads' room until the page ended.
-    let mut h = Harness::new(1000, &[("det", 100), ("asr", 100), ("s1", 50), ("s2", 50)]);
-    h.call_a_second_apart(&["s1", "s2", "det", "asr"]);
-    h.at(5.0);
-    let page = WorkSize { prior_bytes_per_unit: 450, ..WorkSize::new(0, 1_000_000) };
-    let pass = WorkSize { prior_bytes_per_unit: 300, ..WorkSize::new(1, 1_000_000) };
-    let (first, a) = h.submit_sized("det", 7, page);
-    h.settle(a);
+    let (mut h, first, second) = a_page_then_an_encoder_pass();
     assert_eq!(h.outcome(first), Some(Ok(())));
-    h.at(5.1);
-    let (second, a) = h.submit_sized("asr", 8, pass);
-    h.settle(a);
     assert_eq!(h.outcome(second), None, "750 MB in use: 300 more fit only by evicting");
     assert!(h.evictions().is_empty(), "{:?}", h.evictions());
     h.at(6.0);
@@ -415,16 +422,7 @@ fn a_slice_of_long_work_waits_for_another_rather_than_evict_idle_models() {
 fn a_slice_waits_for_another_at_most_slice_wait_then_evicts() {
     // Long work beside long work that never pauses is not starved: past SLICE_WAIT from
     // when it was queued, the slice runs, evicting what it must.
-    let mut h = Harness::new(1000, &[("det", 100), ("asr", 100), ("s1", 50), ("s2", 50)]);
-    h.call_a_second_apart(&["s1", "s2", "det", "asr"]);
-    h.at(5.0);
-    let page = WorkSize { prior_bytes_per_unit: 450, ..WorkSize::new(0, 1_000_000) };
-    let pass = WorkSize { prior_bytes_per_unit: 300, ..WorkSize::new(1, 1_000_000) };
-    let (long, a) = h.submit_sized("det", 7, page);
-    h.settle(a);
-    h.at(5.1);
-    let (waiting, a) = h.submit_sized("asr", 8, pass);
-    h.settle(a);
+    let (mut h, long, waiting) = a_page_then_an_encoder_pass();
     assert_eq!(h.outcome(waiting), None);
     h.at(5.1 + SLICE_WAIT.as_secs_f64() - 0.01);
     let a = h.tick();
