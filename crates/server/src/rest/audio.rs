@@ -167,6 +167,18 @@ async fn parse_form(body: Bytes, boundary: String, task: Task) -> Result<Form, O
             "stream" if text.eq_ignore_ascii_case("true") || text == "1" => {
                 return Err(bad("stream", "streamed transcriptions are not supported: leave `stream` false"))
             }
+            // Asked for, ignored, the SDK's `logprobs` came back None with no word why.
+            "include[]" | "include" => {
+                return Err(bad(
+                    "include",
+                    match text.as_str() {
+                        "logprobs" => "token log probabilities are not given by these Whisper models: leave \
+                                       `include` out (verbose_json has each segment's avg_logprob)"
+                            .to_string(),
+                        other => format!("unknown include '{other}': leave `include` out"),
+                    },
+                ))
+            }
             _ => {}
         }
     }

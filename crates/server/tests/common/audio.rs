@@ -482,6 +482,7 @@ pub fn bad_uploads(model: &str, scratch: &Scratch) -> Vec<BadUpload> {
     );
     upload("streaming", &[("stream", "true")], file, 400, "stream", "stream");
     upload("streaming, as Python writes true", &[("stream", "True")], file, 400, "stream", "stream");
+    upload("log probabilities", &[("include[]", "logprobs")], file, 400, "include", "log probabilities");
     upload(
         "timestamp_granularities twice",
         &[("timestamp_granularities", "segment"), ("timestamp_granularities", "segment")],
