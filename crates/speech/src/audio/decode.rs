@@ -258,8 +258,10 @@ impl TrackDecoder {
                 return Err(AudioError::Corrupt(format!("the {container} codec setup is invalid: {e}")))
             }
         };
-        // An OGG's length counts Opus's pre-skip, which the decoder drops.
-        let declared_frames = params.n_frames.map(|n| n.saturating_sub(super::opus::pre_skip(&params)));
+        // The start that is not the recording (Opus's pre-skip), cut here by `trim`; an
+        // OGG's length counts it.
+        let codec_delay = super::opus::pre_skip(&params);
+        let declared_frames = params.n_frames.map(|n| n.saturating_sub(codec_delay));
         let source = SourceFormat {
             container,
             codec,
@@ -283,7 +285,7 @@ impl TrackDecoder {
             pending: VecDeque::new(),
             joined: false,
             edit,
-            trim_skip: 0,
+            trim_skip: codec_delay,
             trim_keep: None,
         })
     }
@@ -393,16 +395,18 @@ impl TrackDecoder {
         self.accept(rate, channels, mono.len())
     }
 
-    /// Applies the MP4 edit list to a decoded packet: its priming dropped, its padding cut.
+    /// Cuts what is not the recording from a decoded packet: the codec's delay at the
+    /// start (Opus's pre-skip), or, where an MP4's edit list says, its priming and padding.
+    /// Every start trim is made here, once.
     fn trim(&mut self, rate: u32, mono: &mut Vec<f32>) {
         if let Some(edit) = self.edit.take() {
             let (skip, keep) = edit.in_frames(rate);
-            // An Opus track's edit starts after the encoder's pre-skip (the ISO BMFF
-            // encapsulation of Opus), which its decoder has dropped already.
-            let skip = skip.saturating_sub(super::opus::pre_skip(&self.params));
-            (self.trim_skip, self.trim_keep) = (skip, keep);
-            // What the container counts includes the priming and the padding.
-            self.declared_frames = keep.or(self.declared_frames.map(|d| d.saturating_sub(skip)));
+            // The edit's start counts the codec's delay too (an Opus pre-skip, as the ISO
+            // BMFF encapsulation of Opus says): it replaces it. What the container counts
+            // includes the priming and the padding.
+            let delay = std::mem::replace(&mut self.trim_skip, skip);
+            self.trim_keep = keep;
+            self.declared_frames = keep.or(self.declared_frames.map(|d| (d + delay).saturating_sub(skip)));
         }
         let cut = usize::try_from(self.trim_skip).unwrap_or(usize::MAX).min(mono.len());
         mono.drain(..cut);

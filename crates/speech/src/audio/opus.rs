@@ -7,10 +7,12 @@
 //! upload kept a core busy for minutes).
 //!
 //! Output is at 48 kHz, Opus's own rate, in the stream's channels (1 or 2): the audio
-//! stream downmixes and resamples as for any codec. The encoder's pre-skip (`OpusHead`,
-//! 312 samples from libopus) is dropped from the start, as RFC 7845 says, and the
-//! header's output gain applied, and the last packet's end padding cut where the
-//! container says (an OGG's last granule position). One mono or stereo stream under
+//! stream downmixes and resamples as for any codec. The header's output gain is applied,
+//! and the last packet's end padding cut where the container says (an OGG's last granule
+//! position). The encoder's pre-skip (`OpusHead`, 312 samples from libopus), which RFC
+//! 7845 says to drop from the start, is left to the one place every start trim is made
+//! (`decode.rs`, [`pre_skip`]): an MP4's edit list counts it too, and two stages that
+//! each cut it had cut it twice. One mono or stereo stream under
 //! channel mapping family 1 or 255 is read as family 0; surround (several streams, or
 //! more than two channels) is refused by name.
 
@@ -32,8 +34,6 @@ pub(crate) struct OpusDecoder {
     inner: Inner,
     params: CodecParameters,
     channels: usize,
-    /// Samples per channel still to drop from the start (the encoder's pre-skip).
-    skip: usize,
     /// Linear factor of the header's output gain.
     gain: f32,
     pcm: Vec<f32>,
@@ -91,7 +91,8 @@ pub(crate) fn ogg_head_problem(bytes: &[u8]) -> Option<String> {
     None
 }
 
-/// The samples an Opus stream's decoder drops from its start (0 for other codecs).
+/// The samples at the start of an Opus stream that are not the recording: the encoder's
+/// pre-skip, at 48 kHz (0 for other codecs).
 pub(crate) fn pre_skip(params: &CodecParameters) -> u64 {
     if params.codec != CODEC_TYPE_OPUS {
         return 0;
@@ -102,15 +103,15 @@ pub(crate) fn pre_skip(params: &CodecParameters) -> u64 {
 impl Decoder for OpusDecoder {
     fn try_new(params: &CodecParameters, _options: &DecoderOptions) -> Result<Self> {
         let header = params.extra_data.as_deref().and_then(head);
-        let (channels, pre_skip, gain_db) = match header {
+        let (channels, gain_db) = match header {
             Some((channels, _, _, family))
                 if family != 0
                     && !params.extra_data.as_deref().is_some_and(|e| single_stream(e, channels)) =>
             {
                 return unsupported_error("surround Opus (more than one stream)")
             }
-            Some((channels, pre_skip, gain_db, _)) => (usize::from(channels), usize::from(pre_skip), gain_db),
-            None => (params.channels.map_or(1, |c| c.count()), params.delay.unwrap_or(0) as usize, 0.0),
+            Some((channels, _, gain_db, _)) => (usize::from(channels), gain_db),
+            None => (params.channels.map_or(1, |c| c.count()), 0.0),
         };
         let layout = match channels {
             1 => Channels::FRONT_LEFT,
@@ -124,7 +125,6 @@ impl Decoder for OpusDecoder {
             inner,
             params: params.clone(),
             channels,
-            skip: pre_skip,
             gain: 10f32.powf(gain_db / 20.0),
             pcm: vec![0.0; MAX_FRAMES * channels],
             buf: AudioBuffer::new(MAX_FRAMES as u64, SignalSpec::new(RATE, layout)),
@@ -156,16 +156,14 @@ impl Decoder for OpusDecoder {
             Ok(n) => n.min(MAX_FRAMES),
             Err(_) => return decode_error("opus: a packet is not valid Opus"),
         };
-        let dropped = self.skip.min(frames);
-        self.skip -= dropped;
         // The last packet's end padding, as the container says (an OGG's last granule
         // position, RFC 7845 section 4.4): the audio ends where it ended.
-        let kept = (frames - dropped).saturating_sub(packet.trim_end as usize);
+        let kept = frames.saturating_sub(packet.trim_end as usize);
         self.buf.render_reserved(Some(kept));
         for ch in 0..self.channels {
             let out = self.buf.chan_mut(ch);
             for (i, sample) in out.iter_mut().enumerate() {
-                *sample = self.pcm[(dropped + i) * self.channels + ch] * self.gain;
+                *sample = self.pcm[i * self.channels + ch] * self.gain;
             }
         }
         Ok(self.buf.as_audio_buffer_ref())
