@@ -105,6 +105,16 @@ impl Scheduler {
         Some((class, rate))
     }
 
+    /// What a run of `model`'s next work would hold, when it is a run that may wait for
+    /// memory at all: the model is resident and runs nothing now, and the working set
+    /// expected of the request at the head of its queue is beyond the headroom.
+    fn may_wait(&self, model: ModelId) -> Option<(&Device, &Queued, u64)> {
+        let s = &self.slots[model];
+        let (device, head) = (s.device()?, s.queue.head()?);
+        let working = s.reservation([head.size]);
+        (s.running == 0 && working > self.config.headroom).then_some((device, head, working))
+    }
+
     /// A run whose working set fits neither in what is free nor in what evicting the
     /// idle models would free waits while another model's working set is in use: the
     /// two run one after the other (as they would share the cores anyway) rather than
@@ -116,13 +126,7 @@ impl Scheduler {
     /// with them (the mix's seconds-long stalls of every light task at once). The
     /// working set is the one expected of the request at the head of its queue.
     pub(super) fn waits_for_memory(&self, model: ModelId) -> bool {
-        let s = &self.slots[model];
-        let Some(device) = s.device() else { return false };
-        let Some(head) = s.queue.head() else { return false };
-        let working = s.reservation([head.size]);
-        if s.running > 0 || working <= self.config.headroom {
-            return false;
-        }
+        let Some((device, _, working)) = self.may_wait(model) else { return false };
         let others_working =
             self.slots.iter().any(|o| o.working_reserved() > 0 && o.device() == Some(device));
         if !others_working {
@@ -150,12 +154,9 @@ impl Scheduler {
     /// this one runs and evicts what it must, the model worth least first. Returns until
     /// when it waits.
     pub(super) fn slice_waits(&self, model: ModelId, now: Instant) -> Option<Instant> {
-        let s = &self.slots[model];
-        let device = s.device()?;
-        let head = s.queue.head().filter(|h| h.size.is_some())?;
+        let (device, head, working) = self.may_wait(model)?;
         let until = head.since + SLICE_WAIT;
-        let working = s.reservation([head.size]);
-        if now >= until || s.running > 0 || working <= self.config.headroom {
+        if head.size.is_none() || now >= until {
             return None;
         }
         let others_slicing = self
