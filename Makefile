@@ -40,11 +40,12 @@ build-tests:
 run-tests: prepare system-packages
 	@mkdir -p $(dir $(SKIP_LOG)) && rm -f $(SKIP_LOG); status=0; \
 	export SNOOZE_SKIP_LOG=$(SKIP_LOG); \
+	scripts/check_no_leftovers.sh --before > $(dir $(SKIP_LOG))tmp-before.txt; \
 	cargo test --workspace --no-fail-fast || status=$$?; \
 	(cd tests/python && ../../$(PY) -m unittest discover -v) || { [ $$status -ne 0 ] || status=$$?; }; \
 	if [ -s $(SKIP_LOG) ]; then echo "skipped tests (allowed by SNOOZE_ALLOW_SKIP):"; cat $(SKIP_LOG); \
 	else echo "no test skipped"; fi; \
-	scripts/check_no_leftovers.sh || { [ $$status -ne 0 ] || status=$$?; }; \
+	scripts/check_no_leftovers.sh $(dir $(SKIP_LOG))tmp-before.txt || { [ $$status -ne 0 ] || status=$$?; }; \
 	exit $$status
 
 prepare: venv models

@@ -7,10 +7,22 @@
 # such a folder; an nginx or Chromium whose working directory is this repository is
 # ours too (nginx workers rewrite their command line; the tests start them from here).
 # Processes of `make run`, or anyone else's nginx or browser, name neither.
+#
+# Files too: `check_no_leftovers.sh --before > LIST` (before the tests) lists the temp
+# folder's `snooze-*` entries; `check_no_leftovers.sh LIST` (after) fails, naming them, if
+# the tests left new ones (a test's model copies are hundreds of MiB: one `make test` that
+# kept them once left 1.2 GiB in /tmp).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd -P)
 tmp=$(cd "${TMPDIR:-/tmp}" && pwd -P)
+ours() { find "$tmp" -mindepth 1 -maxdepth 1 -name 'snooze-*' -printf '%f\n' | LC_ALL=C sort; }
+
+if [ "${1:-}" = --before ]; then
+  ours
+  exit 0
+fi
+before=${1:-}
 
 # This script and its ancestors (make, a CI shell) are never leftovers.
 ancestors=" "
@@ -44,9 +56,23 @@ for dir in /proc/[0-9]*; do
   fi
 done
 
+status=0
 if [ "${#leftovers[@]}" -gt 0 ]; then
   echo "the tests left ${#leftovers[@]} process(es) running:" >&2
   printf '%s\n' "${leftovers[@]}" >&2
-  exit 1
+  status=1
+else
+  echo "no process left behind by the tests"
 fi
-echo "no process left behind by the tests"
+
+if [ -n "$before" ]; then
+  left=$(ours | LC_ALL=C comm -13 "$before" - | sed "s|^|  $tmp/|")
+  if [ -n "$left" ]; then
+    echo "the tests left files in $tmp:" >&2
+    printf '%s\n' "$left" >&2
+    status=1
+  else
+    echo "no file left behind by the tests in $tmp"
+  fi
+fi
+exit $status

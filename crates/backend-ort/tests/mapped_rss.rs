@@ -10,7 +10,8 @@ use snooze_core::{Backend, LoadSpec, Tensor, TensorData, Weights};
 
 #[test]
 fn mapped_weights_stay_out_of_private_memory_and_come_back_on_unload() {
-    let b = backend().with_cache_dir(cache_dir("rss"));
+    let cache = cache_dir("rss");
+    let b = backend().with_cache_dir(cache.path());
     let spec = LoadSpec { weights: Weights::Mapped, ..cpu("mlp-100m-1", model("mlp-100m-1")) };
     let file_mib =
         std::fs::metadata(model("mlp-100m-1").join("model.onnx")).unwrap().len() as f64 / 1048576.0;

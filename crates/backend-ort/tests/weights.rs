@@ -39,7 +39,8 @@ fn inputs() -> Vec<Vec<Tensor>> {
 
 #[test]
 fn every_profile_gives_the_same_outputs() {
-    let b = backend().with_cache_dir(cache_dir("outputs"));
+    let cache = cache_dir("outputs");
+    let b = backend().with_cache_dir(cache.path());
     let run = |w: Weights| {
         let m = b.load(&spec("mlp-100m-1", w)).unwrap();
         inputs().iter().map(|i| floats(&m.infer(i, &[]).unwrap())).collect::<Vec<_>>()
@@ -88,7 +89,7 @@ fn every_profile_gives_the_same_outputs() {
 #[test]
 fn the_ort_format_copy_is_cached_once_outside_the_users_files() {
     let dir = cache_dir("once");
-    let b = backend().with_cache_dir(&dir);
+    let b = backend().with_cache_dir(dir.path());
     let folder = model("mlp-10m");
     let before: Vec<_> = std::fs::read_dir(&folder).unwrap().map(|e| e.unwrap().file_name()).collect();
     let file = std::fs::metadata(folder.join("model.onnx")).unwrap().len();
@@ -97,7 +98,7 @@ fn the_ort_format_copy_is_cached_once_outside_the_users_files() {
     let from_onnx = snooze_backend_ort::estimate::conversion_peak_of(file);
     assert!(peak > file && peak < from_onnx, "the conversion's peak: {peak} for a {file}-byte model");
     assert_eq!(
-        backend().with_cache_dir(cache_dir("no-copy")).preparation(&folder, Weights::Mapped),
+        backend().with_cache_dir(cache_dir("no-copy").path()).preparation(&folder, Weights::Mapped),
         Some(peak)
     );
     drop(b.load(&spec("mlp-10m", Weights::Mapped)).unwrap());
@@ -143,9 +144,9 @@ fn what_a_killed_conversion_left_in_the_cache_goes_at_the_next_load() {
     // a name no later attempt reuses; the first load that writes to the cache removes it.
     let dir = cache_dir("stale");
     std::fs::create_dir_all(&dir).unwrap();
-    let stale = dir.join("mlp-10m-0123456789abcdef.ort.tmp-2147483646-0"); // no such pid
+    let stale = dir.path().join("mlp-10m-0123456789abcdef.ort.tmp-2147483646-0"); // no such pid
     std::fs::write(&stale, vec![0u8; 4096]).unwrap();
-    drop(backend().with_cache_dir(&dir).load(&spec("mlp-10m", Weights::Mapped)).unwrap());
+    drop(backend().with_cache_dir(dir.path()).load(&spec("mlp-10m", Weights::Mapped)).unwrap());
     assert!(!stale.exists(), "a stopped process's half-written copy is removed");
     let mut left: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
@@ -174,7 +175,8 @@ fn a_cache_that_cannot_be_written_is_a_clear_error_and_the_model_still_loads() {
 
 #[test]
 fn mapped_and_compact_estimates_are_about_the_weights() {
-    let b = backend().with_cache_dir(cache_dir("estimates"));
+    let cache = cache_dir("estimates");
+    let b = backend().with_cache_dir(cache.path());
     let path = model("mlp-100m-1");
     let file = std::fs::metadata(path.join("model.onnx")).unwrap().len();
     let prepacked = b.estimate(&path, Weights::Prepacked).steady_bytes.unwrap();
@@ -193,7 +195,7 @@ fn mapped_and_compact_estimates_are_about_the_weights() {
 #[test]
 fn a_broken_mapped_copy_is_replaced_by_the_onnx_and_made_again() {
     let dir = cache_dir("broken-copy");
-    let b = backend().with_cache_dir(&dir);
+    let b = backend().with_cache_dir(dir.path());
     let run = |m: &dyn snooze_core::LoadedModel| floats(&m.infer(&inputs()[0], &[]).unwrap());
     let m = b.load(&spec("mlp-10m", Weights::Mapped)).unwrap();
     assert!(m.mapped_bytes() > 0, "served from its mapped copy");
@@ -227,13 +229,13 @@ fn entries(dir: &std::path::Path, suffix: &str) -> Vec<std::path::PathBuf> {
 #[test]
 fn a_broken_prepacked_or_ort_format_copy_is_removed_and_the_onnx_loads() {
     let dir = cache_dir("broken-converted");
-    let b = backend().with_cache_dir(&dir);
+    let b = backend().with_cache_dir(dir.path());
     let run = |m: &dyn snooze_core::LoadedModel| floats(&m.infer(&inputs()[0], &[]).unwrap());
     let expected = run(backend().load(&spec("mlp-10m", Weights::Prepacked)).unwrap().as_ref());
     // A prepacked copy whose data file was cut short (a full disk, a damaged volume):
     // every load failed with the runtime's error, naming the intact .onnx.
     b.prepare(&spec("mlp-10m", Weights::Prepacked)).unwrap();
-    let [copy] = entries(&dir, ".prepacked").try_into().unwrap();
+    let [copy] = entries(dir.path(), ".prepacked").try_into().unwrap();
     std::fs::OpenOptions::new().write(true).open(copy.join("model.data")).unwrap().set_len(4096).unwrap();
     let m = b.load(&spec("mlp-10m", Weights::Prepacked)).expect("served from the .onnx");
     assert_eq!(run(m.as_ref()), expected);
@@ -242,7 +244,7 @@ fn a_broken_prepacked_or_ort_format_copy_is_removed_and_the_onnx_loads() {
     assert!(copy.join("model.onnx").is_file());
     // The same for the ORT-format file of `compact` and `mapped`.
     b.prepare(&spec("mlp-10m", Weights::Compact)).unwrap();
-    let [ort] = entries(&dir, ".ort").try_into().unwrap();
+    let [ort] = entries(dir.path(), ".ort").try_into().unwrap();
     std::fs::OpenOptions::new().write(true).open(&ort).unwrap().set_len(4096).unwrap();
     for weights in [Weights::Compact, Weights::Mapped] {
         let m = b.load(&spec("mlp-10m", weights)).expect("served without the ORT-format file");
@@ -259,7 +261,7 @@ fn two_processes_saving_one_prepacked_copy_both_succeed_and_leave_no_half_copy()
     // the first rename wins, the second found a directory in its way and failed (and left
     // its 200 MB temporary copy behind).
     let dir = cache_dir("racing-prepare");
-    let b = backend().with_cache_dir(&dir);
+    let b = backend().with_cache_dir(dir.path());
     let both: Vec<_> = std::thread::scope(|s| {
         let racing: Vec<_> =
             (0..2).map(|_| s.spawn(|| b.prepare(&spec("mlp-100m-1", Weights::Prepacked)))).collect();
@@ -268,7 +270,7 @@ fn two_processes_saving_one_prepacked_copy_both_succeed_and_leave_no_half_copy()
     for result in both {
         result.expect("the second saver takes the first one's copy");
     }
-    assert_eq!(entries(&dir, ".prepacked").len(), 1);
+    assert_eq!(entries(dir.path(), ".prepacked").len(), 1);
     let half: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())

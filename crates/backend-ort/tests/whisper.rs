@@ -597,7 +597,7 @@ fn speed_of_whisper_on_onnx_runtime() {
 #[test]
 fn tiny_en_from_its_prepared_copies_gives_the_same_tokens() {
     let dir = common::cache_dir("whisper-prepacked");
-    let b = backend().with_cache_dir(&dir);
+    let b = backend().with_cache_dir(dir.path());
     let path = model("whisper-tiny-en");
     assert!(b.preparation(&path, snooze_core::Weights::Prepacked).is_some(), "nothing prepared yet");
     let spec = cpu("whisper-tiny-en", path.clone());

@@ -14,13 +14,37 @@ fn snooze() -> Command {
     c
 }
 
-fn write(name: &str, text: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("snooze-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
-    let p = dir.join(name);
-    std::fs::create_dir_all(p.parent().expect("parent")).expect("dir");
-    std::fs::write(&p, text).expect("write");
-    p
+/// A file written for one test in a temp folder of its own, removed when dropped.
+struct Written {
+    _dir: tempfile::TempDir,
+    path: std::path::PathBuf,
+}
+
+impl std::ops::Deref for Written {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for Written {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.path.as_os_str()
+    }
+}
+
+impl AsRef<std::path::Path> for Written {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
+fn write(name: &str, text: &str) -> Written {
+    let dir = tempfile::Builder::new().prefix("snooze-cli-").tempdir().expect("dir");
+    let path = dir.path().join(name);
+    std::fs::create_dir_all(path.parent().expect("parent")).expect("dir");
+    std::fs::write(&path, text).expect("write");
+    Written { _dir: dir, path }
 }
 
 #[test]

@@ -32,11 +32,10 @@ pub fn cpu(name: &str, path: PathBuf) -> LoadSpec {
     }
 }
 
-/// A fresh ORT-format cache directory for one test.
-pub fn cache_dir(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("snooze-ort-cache-{test}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+/// A fresh ORT-format cache directory for one test, removed when dropped (the copies of
+/// a 100 MiB model are 200 MiB: left behind, each `make test` would leave a gigabyte).
+pub fn cache_dir(test: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(&format!("snooze-ort-cache-{test}-")).tempdir().unwrap()
 }
 
 /// `/proc/self/status` figures in MiB: (VmRSS, RssAnon, RssFile).

@@ -208,22 +208,20 @@ mod tests {
 
     use super::*;
 
-    fn dir() -> PathBuf {
-        let d = std::env::temp_dir().join(format!(
-            "snooze-config-{}-{:?}",
-            std::process::id(),
-            std::thread::current().id()
-        ));
+    /// A model repository of two models and a folder of none, removed when dropped.
+    fn dir() -> tempfile::TempDir {
+        let t = tempfile::Builder::new().prefix("snooze-config-").tempdir().unwrap();
+        let d = t.path();
         std::fs::create_dir_all(d.join("repo/a/1")).unwrap();
         std::fs::create_dir_all(d.join("repo/b")).unwrap();
         std::fs::create_dir_all(d.join("repo/not-a-model")).unwrap();
         std::fs::write(d.join("repo/a/1/model.onnx"), b"x").unwrap();
         std::fs::write(d.join("repo/b/model.onnx"), b"x").unwrap();
-        d
+        t
     }
 
     fn load(text: &str, overrides: RawServer) -> Result<Config, ConfigError> {
-        resolve(parse_file(text, "test")?, overrides, None, &dir())
+        resolve(parse_file(text, "test")?, overrides, None, dir().path())
     }
 
     #[test]
@@ -265,7 +263,8 @@ mod tests {
 
     #[test]
     fn model_dir_finds_whisper_folders_too() {
-        let d = dir();
+        let t = dir();
+        let d = t.path();
         std::fs::create_dir_all(d.join("found/tiny")).unwrap();
         std::fs::write(d.join("found/tiny/whisper.json"), b"{}").unwrap();
         std::fs::create_dir_all(d.join("found/notes")).unwrap();
@@ -273,7 +272,7 @@ mod tests {
             parse_file("[server]\nmodel_dir = \"found\"\n", "test").unwrap(),
             RawServer::default(),
             None,
-            &d,
+            d,
         )
         .unwrap();
         let names: Vec<_> = c.models.iter().map(|m| m.name.as_str()).collect();
@@ -282,7 +281,8 @@ mod tests {
 
     #[test]
     fn cpu_priority_is_low_for_long_work_unless_the_config_says_otherwise() {
-        let d = dir();
+        let t = dir();
+        let d = t.path();
         std::fs::create_dir_all(d.join("repo/w")).unwrap();
         std::fs::write(d.join("repo/w/whisper.json"), b"{}").unwrap();
         let text = "[models.det]\npath = \"repo/a\"\n[models.rec]\npath = \"repo/b\"\n\
@@ -290,7 +290,7 @@ mod tests {
                     [models.plain]\npath = \"repo/b\"\n[models.w]\npath = \"repo/w\"\n\
                     [models.x]\npath = \"repo/b\"\ncpu_priority = \"low\"\n\
                     [pipelines.p]\ndet = \"det\"\ncls = \"cls\"\nrec = \"rec\"\n";
-        let c = resolve(parse_file(text, "test").unwrap(), RawServer::default(), None, &d).unwrap();
+        let c = resolve(parse_file(text, "test").unwrap(), RawServer::default(), None, d).unwrap();
         let low: Vec<_> = c.models.iter().map(|m| (m.name.as_str(), m.low_cpu_priority)).collect();
         assert_eq!(
             low,
@@ -385,7 +385,7 @@ mod tests {
             parse_file("[server]\nkeep_alive = \"soon\"", "a/snooze.toml").unwrap(),
             RawServer::default(),
             None,
-            &dir(),
+            dir().path(),
         )
         .unwrap_err()
         .0;
@@ -396,7 +396,8 @@ mod tests {
 
     #[test]
     fn mistakes_are_named_by_the_key_and_the_value_written() {
-        let d = dir();
+        let t = dir();
+        let d = t.path();
         std::fs::create_dir_all(d.join("repo/w")).unwrap();
         std::fs::write(d.join("repo/w/whisper.json"), b"{}").unwrap();
         std::fs::create_dir_all(d.join("repo/st")).unwrap();
@@ -430,7 +431,7 @@ mod tests {
             ("[server]\nmax_inflight_request_bytes = \"0MiB\"".into(), "[server] max_inflight_request_bytes"),
         ];
         for (text, expected) in cases {
-            let e = parse_file(&text, "test").and_then(|f| resolve(f, RawServer::default(), None, &d));
+            let e = parse_file(&text, "test").and_then(|f| resolve(f, RawServer::default(), None, d));
             let e = match e {
                 Ok(_) => panic!("{text:?} was accepted"),
                 Err(e) => e.0,
@@ -442,7 +443,7 @@ mod tests {
     #[test]
     fn errors_after_parsing_name_the_file() {
         let at = |text: &str, over: RawServer| {
-            resolve(parse_file(text, "a/snooze.toml").unwrap(), over, None, &dir()).unwrap_err().0
+            resolve(parse_file(text, "a/snooze.toml").unwrap(), over, None, dir().path()).unwrap_err().0
         };
         let e = at("[models.x]\npath = \"missing.onnx\"", RawServer::default());
         assert!(e.starts_with("invalid config a/snooze.toml: [models.x] path:"), "{e}");
@@ -458,11 +459,12 @@ mod tests {
         // A value from a flag is the flag's, not the file's.
         let e = at("", RawServer::default().set("api_keys_file", "/nonexistent/keys").clone());
         assert!(e.starts_with("invalid config: [server] api_keys_file"), "{e}");
+        let t = dir();
         let e = resolve(
             parse_file("", "a/snooze.toml").unwrap(),
             RawServer::default(),
-            Some(dir().join("nowhere")),
-            &dir(),
+            Some(t.path().join("nowhere")),
+            t.path(),
         )
         .unwrap_err()
         .0;
