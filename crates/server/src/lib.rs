@@ -35,6 +35,8 @@ pub struct ServerMemory {
     pub budget_bytes: u64,
     pub baseline_bytes: u64,
     pub limit_source: LimitSource,
+    /// Whether ONNX runs hand their activations back when they end (`release_activations`).
+    pub releases_activations: bool,
     /// Each GPU NVML found, with its budget and probe.
     pub gpus: Vec<(Device, u64, Arc<dyn MemoryProbe>)>,
 }
@@ -56,7 +58,7 @@ impl Backends {
             let ort = OrtBackend::with_pool(None, pool)
                 .map_err(anyhow::Error::msg)?
                 .with_cache_dir(config.server.state_dir.join("ort-cache"))
-                .with_activations_released(releases_activations(config));
+                .with_activations_released(releases_activations(config, HostProbe::new().snapshot().source));
             Some(Arc::new(ort) as Arc<dyn Backend>)
         } else {
             None
@@ -122,10 +124,16 @@ fn resolve_weights(
 }
 
 /// The budget a config gives, and what the server holds before any model.
-/// `release_activations`, or by default whether a byte budget was set.
-fn releases_activations(config: &Config) -> bool {
+/// `release_activations`, or by default whether memory is bounded: a byte budget, or
+/// `auto` under a memory cgroup's limit. Kept arenas there got the server OOM-killed: a
+/// model's arena, once grown by a run, hides what a larger run needs from the working
+/// set the scheduler learns, and the kernel, not the budget, then stops the process.
+fn releases_activations(config: &Config, source: LimitSource) -> bool {
     let s = &config.server;
-    s.release_activations.unwrap_or(matches!(s.host_memory_limit, MemoryLimit::Size(_)))
+    s.release_activations.unwrap_or(match s.host_memory_limit {
+        MemoryLimit::Size(_) => true,
+        MemoryLimit::Auto => source != LimitSource::Machine,
+    })
 }
 
 fn budget_of(config: &Config, probe: &HostProbe) -> anyhow::Result<(u64, u64)> {
@@ -234,7 +242,9 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
             tuned,
             "low-RAM mode: one malloc arena, 64 KiB mmap threshold, trim after large requests"
         );
-    } else if releases_activations(config) && !snooze_core::memory::return_large_blocks() {
+    } else if releases_activations(config, HostProbe::new().snapshot().source)
+        && !snooze_core::memory::return_large_blocks()
+    {
         tracing::warn!("the allocator keeps freed blocks: released activations stay resident until a trim");
     }
     // Installed before anything is recorded: the counters start at the first event.
@@ -242,6 +252,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
     let backends = Backends::for_config(config)?;
     let probe = Arc::new(HostProbe::new());
     let snap = probe.snapshot();
+    let releases = releases_activations(config, snap.source);
     let s = &config.server;
     let (budget, baseline) = budget_of(config, &probe)?;
     let weights = resolve_weights(config, &backends, budget, baseline)?;
@@ -315,13 +326,15 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
         baseline_bytes = baseline,
         headroom_bytes = s.headroom,
         limit_source = ?snap.source,
+        release_activations = releases,
         models = models.len(),
-        "memory budget {} ({:?} total {}, headroom {}), server baseline {}",
+        "memory budget {} ({:?} total {}, headroom {}), server baseline {}, activations {}",
         format_bytes(budget),
         snap.source,
         format_bytes(snap.total_bytes),
         format_bytes(s.headroom),
-        format_bytes(baseline)
+        format_bytes(baseline),
+        if releases { "released after each run" } else { "kept in each model's arena" }
     );
     let manager = ModelManager::start(ManagerConfig {
         scheduler,
@@ -341,6 +354,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
         budget_bytes: budget,
         baseline_bytes: baseline,
         limit_source: snap.source,
+        releases_activations: releases,
         gpus: gpu_list,
     };
     request::metrics::register_models(config.models.iter().map(|m| m.name.as_str()));

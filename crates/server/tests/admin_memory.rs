@@ -36,6 +36,11 @@ fn stats_gc_dump_and_the_admin_token() {
     }
     assert_eq!(s.get("/v2/models/a").0, 200);
     let s = s.with_token("s3cret");
+    // `auto`: activations are kept in each model's arena on a whole machine, handed back
+    // after each run under a memory cgroup's limit (memory_guard.rs runs one).
+    let memory = &s.get("/admin/models").1["memory"];
+    let bounded = memory["limit_source"] != "machine";
+    assert_eq!(memory["release_activations"], bounded, "{memory}");
     let (status, body) = post_auth(&s, "/admin/memory/gc", Some("wrong"));
     assert_eq!((status, body["code"].as_str()), (401, Some("unauthorized")));
     assert_eq!(post_auth(&s, "/v2/repository/models/a/load", Some("s3cret")).0, 200);

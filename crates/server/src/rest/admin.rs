@@ -54,6 +54,7 @@ async fn models(State(state): State<AppState>) -> Response {
             "baseline_bytes": mem.baseline_bytes,
             "headroom_bytes": state.settings.headroom,
             "limit_source": mem.limit_source,
+            "release_activations": mem.releases_activations,
             "gpus": mem.gpus.iter().map(|(d, _, _)| d.to_string()).collect::<Vec<_>>(),
             "process_rss_bytes": process_rss_bytes(),
         },
