@@ -160,9 +160,9 @@ pub struct ModelSlot {
     pub working_bytes: u64,
     /// `working_bytes` was measured (not the backend's word).
     pub(super) working_measured: bool,
-    /// Bytes a run held at its peak per unit of its work's size, by the size's class:
-    /// the most a measured run held (see `working.rs`).
-    pub(super) working_rates: Vec<(u8, f64)>,
+    /// What runs held at their peak by the size of their work, by the size's class
+    /// (see `working.rs`).
+    pub(super) working_curves: Vec<(u8, super::working::SizeCurve)>,
     /// Its runs in flight, by their batch's first request: what each holds against the
     /// budget, and whether it is a slice of long work (see `max_concurrent_slices`).
     pub(super) reserved: Vec<super::working::RunHold>,
@@ -219,7 +219,7 @@ impl ModelSlot {
             learned_peak_bytes: None,
             working_bytes: 0,
             working_measured: false,
-            working_rates: Vec::new(),
+            working_curves: Vec::new(),
             reserved: Vec::new(),
             kept_bytes: 0,
             loads: 0,

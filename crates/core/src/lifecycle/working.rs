@@ -24,23 +24,25 @@ pub(super) struct RunHold {
 }
 
 impl ModelSlot {
-    /// What a run of work of these sizes is expected to hold at its peak: the bytes
-    /// per unit its class measured (until then, the work's own prior), or the model's
-    /// largest run when a piece of it says nothing of its size, or its class was never
-    /// measured and it has no prior.
+    /// What a run of work of these sizes is expected to hold at its peak: what its
+    /// class's measured runs bound it by (until one is measured, the work's own prior
+    /// per unit), or the model's largest run when a piece of it says nothing of its size,
+    /// or its class was never measured and it has no prior.
     pub(super) fn reservation(&self, sizes: impl IntoIterator<Item = Option<WorkSize>>) -> u64 {
         let mut total = 0u64;
         for size in sizes {
             let Some(size) = size else { return self.working_bytes };
-            let prior = (size.prior_bytes_per_unit > 0).then_some(f64::from(size.prior_bytes_per_unit));
-            let Some(rate) = self.rate(size.class).or(prior) else { return self.working_bytes };
-            total = total.saturating_add((rate * size.units as f64).ceil() as u64);
+            let measured = self.curve(size.class).map(|c| c.predict(size.units));
+            let prior = (size.prior_bytes_per_unit > 0)
+                .then(|| (f64::from(size.prior_bytes_per_unit) * size.units as f64).ceil() as u64);
+            let Some(bytes) = measured.or(prior) else { return self.working_bytes };
+            total = total.saturating_add(bytes);
         }
         total
     }
 
-    fn rate(&self, class: u8) -> Option<f64> {
-        self.working_rates.iter().find(|(c, _)| *c == class).map(|(_, r)| *r)
+    fn curve(&self, class: u8) -> Option<&SizeCurve> {
+        self.working_curves.iter().find(|(c, _)| *c == class).map(|(_, curve)| curve)
     }
 
     /// Slices of long work it runs now.
@@ -76,9 +78,9 @@ impl Scheduler {
     }
 
     /// The run of `reqs` (still in flight) on `model` held `transient` bytes at its
-    /// peak: when all of its work said its size, in one class, that class's bytes per
-    /// unit are at least `transient` over their units (the most any run measured).
-    /// Returns the class and its new rate when it changed.
+    /// peak: when all of its work said its size, in one class, that class's curve
+    /// learns it ([`SizeCurve`]). Returns the class and the run's bytes per unit when
+    /// the curve changed.
     pub fn learn_sized(&mut self, model: ModelId, transient: u64, reqs: &[RequestId]) -> Option<(u8, f64)> {
         if self.slots[model].policy.memory.is_some() {
             return None;
@@ -95,14 +97,17 @@ impl Scheduler {
             units = units.saturating_add(size.units);
         }
         let (class, units) = (class?, units.max(1));
-        let rate = transient as f64 / units as f64;
         let s = &mut self.slots[model];
-        match s.working_rates.iter_mut().find(|(c, _)| *c == class) {
-            Some((_, r)) if *r >= rate => return None,
-            Some((_, r)) => *r = rate,
-            None => s.working_rates.push((class, rate)),
-        }
-        Some((class, rate))
+        let changed = match s.working_curves.iter_mut().find(|(c, _)| *c == class) {
+            Some((_, curve)) => curve.learn(units, transient),
+            None => {
+                let mut curve = SizeCurve::default();
+                curve.learn(units, transient);
+                s.working_curves.push((class, curve));
+                true
+            }
+        };
+        changed.then_some((class, transient as f64 / units as f64))
     }
 
     /// What a run of `model`'s next work would hold, when it is a run that may wait for
@@ -167,5 +172,89 @@ impl Scheduler {
         let in_place = self.accounted(device).saturating_sub(self.leaving(device));
         let free = self.budget(device).saturating_sub(in_place);
         (others_slicing && working.saturating_add(self.config.headroom) > free).then_some(until)
+    }
+}
+
+/// The most runs of one class of work held at their peak, by the size of their work
+/// (a page's pixels, a decoder step's hypotheses): measured points kept monotone (more
+/// units never hold less) and the highest bytes per unit any run measured. A size is
+/// predicted at the smallest of what bounds it from above, on two assumptions that
+/// hold for activations (a fixed part plus a part that grows with the input): a larger
+/// input never holds less, and holds no more per unit than a smaller one. So a size is
+/// bounded by the nearest measured size above it and by the nearest below it scaled
+/// up — not by the highest rate times its size, which held a 4128 x 736 detector input
+/// at 600 MiB after a letter-size page's 198 B/px when it took 447 MiB (154 B/px), and
+/// kept light models out for the 2 s it ran. Below every measured size, the highest
+/// rate (what was held before these bounds).
+#[derive(Debug, Clone, Default)]
+pub(super) struct SizeCurve {
+    /// (units, bytes), by units; bytes never fall as units grow.
+    points: Vec<(u64, u64)>,
+    max_rate: f64,
+}
+
+impl SizeCurve {
+    /// Points kept: past this the closer of two neighbours (by ratio) goes, its bound
+    /// taken by the larger one (a prediction can only grow).
+    const POINTS: usize = 16;
+
+    /// Learns that a run of `units` held `bytes`; whether any prediction changed.
+    pub(super) fn learn(&mut self, units: u64, bytes: u64) -> bool {
+        let units = units.max(1);
+        let rate = bytes as f64 / units as f64;
+        let mut changed = rate > self.max_rate;
+        self.max_rate = self.max_rate.max(rate);
+        let at = self.points.partition_point(|&(u, _)| u < units);
+        // A smaller size that held more bounds this one from below.
+        let floor = self.points[..at].last().map_or(0, |&(_, b)| b);
+        let bytes = bytes.max(floor);
+        match self.points.get_mut(at) {
+            Some((u, b)) if *u == units => {
+                if bytes > *b {
+                    *b = bytes;
+                    changed = true;
+                }
+            }
+            _ => {
+                self.points.insert(at, (units, bytes));
+                changed = true;
+            }
+        }
+        for (_, b) in &mut self.points[at..] {
+            if *b < bytes {
+                *b = bytes;
+                changed = true;
+            }
+        }
+        if self.points.len() > Self::POINTS {
+            let closest = (1..self.points.len())
+                .min_by(|&i, &j| {
+                    let ratio = |k: usize| self.points[k].0 as f64 / self.points[k - 1].0 as f64;
+                    ratio(i).total_cmp(&ratio(j))
+                })
+                .unwrap_or(1);
+            self.points.remove(closest - 1);
+        }
+        changed
+    }
+
+    #[cfg(test)]
+    pub(super) fn points(&self) -> &[(u64, u64)] {
+        &self.points
+    }
+
+    /// What a run of `units` is expected to hold at its peak.
+    pub(super) fn predict(&self, units: u64) -> u64 {
+        let at = self.points.partition_point(|&(u, _)| u < units);
+        let above = self.points.get(at).map(|&(_, b)| b);
+        let below = match self.points.get(at) {
+            Some(&(u, b)) if u == units => Some(b),
+            _ => at.checked_sub(1).map(|i| {
+                let (u, b) = self.points[i];
+                (b as f64 * units as f64 / u as f64).ceil() as u64
+            }),
+        };
+        let scaled = (self.max_rate * units as f64).ceil() as u64;
+        [above, below.or(Some(scaled))].into_iter().flatten().min().unwrap_or(scaled)
     }
 }

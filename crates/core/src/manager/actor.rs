@@ -371,14 +371,14 @@ impl Actor {
     }
 
     /// A run of work that said its size held `transient` bytes at its peak: what its
-    /// class holds per unit (see `Scheduler::learn_sized`).
+    /// class is held at by size (see `Scheduler::learn_sized`).
     fn learn_sized(&mut self, model: ModelId, transient: u64, reqs: &[RequestId]) {
         let Some((class, rate)) = self.scheduler.learn_sized(model, transient, reqs) else { return };
         tracing::debug!(
             model = %self.scheduler.slot(model).policy.name,
             class,
             bytes_per_unit = rate,
-            "a run held {} at its peak: its kind of work now holds {rate:.1} bytes a unit while it runs",
+            "a run held {} at its peak ({rate:.1} bytes a unit): what its kind of work is held at changed",
             format_bytes(transient)
         );
     }

@@ -297,6 +297,48 @@ fn a_page_s_working_set_follows_its_pixels() {
 }
 
 #[test]
+fn a_page_is_held_at_what_the_nearest_measured_pages_bound_it_by_not_the_highest_rate_times_its_size() {
+    // The mix's detector: a letter-size page (810k px) held 160 MiB, a small crop read at
+    // 4128 x 736 (3.04M px) 447 MiB. At the letter page's rate the crop was held at 600
+    // MiB, and the light models stayed out of memory for the 2 s it ran.
+    let mut h = Harness::new(1000, &[("det", 50), ("a", 300)]);
+    let det = h.id("det");
+    h.call("a").unwrap();
+    let held = |h: &mut Harness, t: f64, units: u64, measured: Option<u64>| {
+        h.at(t);
+        let page = submit_sized(h, "det", 0, units);
+        assert_eq!(h.outcome(page), Some(Ok(())));
+        let reserved = h.s.slot(det).working_reserved();
+        if let Some(bytes) = measured {
+            h.s.learn_sized(det, bytes, &[page]);
+        }
+        h.finish(page);
+        reserved
+    };
+    held(&mut h, 1.0, 810_000, Some(160 * MB));
+    let scaled = (160.0 * MB as f64 * 3_040_000.0 / 810_000.0).ceil() as u64;
+    assert_eq!(held(&mut h, 2.0, 3_040_000, Some(447 * MB)), scaled, "scaled up from the only page measured");
+    assert_eq!(held(&mut h, 3.0, 3_040_000, None), 447 * MB, "what that size measured");
+    let between = (160.0 * MB as f64 * 2_000_000.0 / 810_000.0).ceil() as u64;
+    assert_eq!(held(&mut h, 4.0, 2_000_000, None), between, "the page below scaled up: under 447 MiB");
+    let larger = (447.0 * MB as f64 * 4_000_000.0 / 3_040_000.0).ceil() as u64;
+    assert_eq!(
+        held(&mut h, 5.0, 4_000_000, None),
+        larger,
+        "scaled from the largest page, not the letter page"
+    );
+    let rate = 160.0 * MB as f64 / 810_000.0;
+    let smaller = (rate * 400_000.0).ceil() as u64;
+    assert_eq!(held(&mut h, 6.0, 400_000, None), smaller, "below every page measured: the highest rate");
+    assert!(h.evictions().is_empty(), "{:?}", h.evictions());
+
+    // Runs are noisy: a larger input that measured less than a smaller one is held at
+    // the smaller one's (more units never hold less).
+    held(&mut h, 7.0, 1_500_000, Some(150 * MB));
+    assert_eq!(held(&mut h, 8.0, 1_500_000, None), 160 * MB);
+}
+
+#[test]
 fn a_first_page_holds_its_own_prior_until_its_kind_of_work_is_measured() {
     // A detector never run declares no working set: its first page held nothing for
     // activations of hundreds of MiB, and the process went past a byte budget.
@@ -343,7 +385,7 @@ fn only_runs_of_one_kind_of_work_that_said_its_size_teach_a_rate() {
     assert_eq!(h.batch_of(sized[0]).map(|(_, reqs, _)| reqs), Some(sized.clone()));
     assert_eq!(h.s.learn_sized(m, 50 * MB, &sized), None, "a batch of two kinds says nothing of either");
     h.finish(sized[0]);
-    assert!(h.s.slot(m).working_rates.is_empty());
+    assert!(h.s.slot(m).working_curves.is_empty());
 
     let mut fixed = Harness::with(1000, &[("fixed", 100)], |p| p.memory = Some(100 * MB));
     let id = fixed.id("fixed");
@@ -434,4 +476,22 @@ fn a_slice_waits_for_another_at_most_slice_wait_then_evicts() {
     assert_eq!(h.outcome(waiting), Some(Ok(())), "its wait is over: it runs beside the page");
     assert_eq!(h.evictions().len(), 1, "making room for 300 MB: {:?}", h.evictions());
     h.finish(long);
+}
+
+#[test]
+fn a_size_curve_keeps_few_points_and_never_holds_a_measured_size_at_less_than_it_measured() {
+    // Pages of many sizes (activations: a fixed part plus a part per pixel).
+    let mut curve = crate::lifecycle::working::SizeCurve::default();
+    let mut seen = Vec::new();
+    let mut units = 100_000u64;
+    for i in 0..40u64 {
+        units = units * 23 / 20 + i; // 40 sizes, 1.15x apart
+        let bytes = 50 * MB + 130 * units + (i % 3) * MB; // with noise
+        curve.learn(units, bytes);
+        seen.push((units, bytes));
+        for &(u, b) in &seen {
+            assert!(curve.predict(u) >= b, "{u} units measured {b}, held at {}", curve.predict(u));
+        }
+    }
+    assert!(curve.points().len() <= 16, "{} points", curve.points().len());
 }
