@@ -123,7 +123,6 @@ fn resolve_weights(
         .collect()
 }
 
-/// The budget a config gives, and what the server holds before any model.
 /// `release_activations`, or by default whether memory is bounded: a byte budget, or
 /// `auto` under a memory cgroup's limit. Kept arenas there got the server OOM-killed: a
 /// model's arena, once grown by a run, hides what a larger run needs from the working
@@ -136,6 +135,7 @@ fn releases_activations(config: &Config, source: LimitSource) -> bool {
     })
 }
 
+/// The budget a config gives, and what the server holds before any model.
 fn budget_of(config: &Config, probe: &HostProbe) -> anyhow::Result<(u64, u64)> {
     let snap = probe.snapshot();
     let s = &config.server;

@@ -139,9 +139,9 @@ fn never_oom_killed_under_a_real_memory_limit() {
 /// the ones before (`small.png`, 190 x 34 px, read at 4128 x 736 like rapidocr) is
 /// predicted from what the earlier pages really held. With arenas kept (the default
 /// there before), the detector's arena, grown by the first page, hid what the larger
-/// input needs from the working set the scheduler learned: this sequence then peaked at
-/// the cgroup's limit (503 MiB against 291 MiB released), and the mix benchmark's
-/// warm-up in a 928 MiB cgroup was OOM-killed.
+/// input needs from the working set the scheduler learned: this sequence then ran up to
+/// this cgroup's limit (under a 600 MiB one, to 503 MiB against 298 MiB released), and
+/// the mix benchmark's warm-up in a 928 MiB cgroup was OOM-killed.
 #[test]
 fn ocr_pages_under_auto_in_a_cgroup_release_their_activations_and_are_never_oom_killed() {
     const LIMIT: u64 = 450 << 20;

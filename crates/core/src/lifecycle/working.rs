@@ -184,8 +184,8 @@ impl Scheduler {
 /// bounded by the nearest measured size above it and by the nearest below it scaled
 /// up — not by the highest rate times its size, which held a 4128 x 736 detector input
 /// at 600 MiB after a letter-size page's 198 B/px when it took 447 MiB (154 B/px), and
-/// kept light models out for the 2 s it ran. Below every measured size, the highest
-/// rate (what was held before these bounds).
+/// evicted idle models for the 150 MiB it never used. Below every measured size, the
+/// highest rate (what was held before these bounds).
 #[derive(Debug, Clone, Default)]
 pub(super) struct SizeCurve {
     /// (units, bytes), by units; bytes never fall as units grow.
