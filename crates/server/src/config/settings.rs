@@ -140,8 +140,13 @@ server_settings! {
     /// stays resident: ~190 MiB for an OCR detector of 10 MiB after one 736x960 page,
     /// ~240 MiB for Whisper tiny's encoder after one window. Released, those runs take
     /// 6-15% longer (no difference on small runs), and the memory is held against the
-    /// budget only while the model runs. Unset: released when `host_memory_limit` is a
-    /// size (memory is what is short), kept under `auto`.
+    /// budget only while the model runs. Unset: released when memory is bounded —
+    /// `host_memory_limit` a size, or `auto` under a memory cgroup's limit (a
+    /// container's) — and kept under `auto` on a whole machine. Kept under a cgroup's
+    /// limit, an arena grown by one run hides what a larger run needs from the working
+    /// set the scheduler learns: the mix benchmark in a 928 MiB cgroup was OOM-killed
+    /// that way. `/admin/models` (`memory.release_activations`) and the start-up log
+    /// say which.
     release_activations: Option<bool> = "";
     /// Most models resident at once; `0` = no cap.
     max_loaded_models: usize = "0";
