@@ -127,13 +127,16 @@ impl FootprintStore {
     }
 }
 
+/// What separates a model's files from the form of its weights in its fingerprint.
+const FORM: &str = "|weights=";
+
 /// The key of a model's footprint among `forms`: its name and the way its weights are
 /// held ([`model_fingerprint`]'s last part). Each form keeps its own figures: `auto`
 /// picks another form when `host_memory_limit` changes, and one entry per name meant
 /// every restart across budgets dropped what the other form had learned (a model learned
 /// prepacked was estimated afresh, mapped, and maybe refused, at the next budget).
 fn entry_key(model: &str, fingerprint: &str) -> String {
-    match fingerprint.rsplit_once("|weights=") {
+    match fingerprint.rsplit_once(FORM) {
         Some((_, form)) => format!("{model}|{form}"),
         None => model.to_string(),
     }
@@ -147,7 +150,7 @@ pub fn model_fingerprint(
     path: &Path,
     weights: crate::backend::Weights,
 ) -> String {
-    format!("{}|weights={}", backend.fingerprint(path), weights.as_str())
+    format!("{}{FORM}{}", backend.fingerprint(path), weights.as_str())
 }
 
 /// Identifies a model's files: their total size, newest modification time, and a hash

@@ -49,7 +49,9 @@ pub struct Backends {
 }
 
 impl Backends {
-    pub fn for_config(config: &Config) -> anyhow::Result<Backends> {
+    /// `release_activations`: whether ONNX runs hand their activations back (see
+    /// [`releases_activations`]).
+    pub fn for_config(config: &Config, release_activations: bool) -> anyhow::Result<Backends> {
         let pool = ThreadPool {
             intra_op_threads: config.server.intra_op_threads,
             spinning: config.server.intra_op_spinning,
@@ -58,7 +60,7 @@ impl Backends {
             let ort = OrtBackend::with_pool(None, pool)
                 .map_err(anyhow::Error::msg)?
                 .with_cache_dir(config.server.state_dir.join("ort-cache"))
-                .with_activations_released(releases_activations(config, HostProbe::new().snapshot().source));
+                .with_activations_released(release_activations);
             Some(Arc::new(ort) as Arc<dyn Backend>)
         } else {
             None
@@ -170,7 +172,8 @@ fn promotable(m: &config::ModelSettings, weights: Weights) -> bool {
 /// of its backend) is reported as such: an init container that said "nothing to
 /// prepare" for it, and exited 0, left a server failing its every request.
 pub fn prepare(config: &Config, mut report: impl FnMut(&str)) -> anyhow::Result<Prepared> {
-    let backends = Backends::for_config(config)?;
+    let backends =
+        Backends::for_config(config, releases_activations(config, HostProbe::new().snapshot().source))?;
     let mut done = Prepared::default();
     for m in &config.models {
         let backend = backends.get(m.backend)?;
@@ -236,23 +239,21 @@ pub struct Prepared {
 /// Builds the model manager and the HTTP state from a validated config. Must run
 /// inside a tokio runtime.
 pub fn build(config: &Config) -> anyhow::Result<AppState> {
+    let probe = Arc::new(HostProbe::new());
+    let releases = releases_activations(config, probe.snapshot().source);
     if config.server.low_ram_mode {
         let tuned = snooze_core::memory::tune_allocator_for_low_ram();
         tracing::info!(
             tuned,
             "low-RAM mode: one malloc arena, 64 KiB mmap threshold, trim after large requests"
         );
-    } else if releases_activations(config, HostProbe::new().snapshot().source)
-        && !snooze_core::memory::return_large_blocks()
-    {
+    } else if releases && !snooze_core::memory::return_large_blocks() {
         tracing::warn!("the allocator keeps freed blocks: released activations stay resident until a trim");
     }
     // Installed before anything is recorded: the counters start at the first event.
     request::metrics::handle();
-    let backends = Backends::for_config(config)?;
-    let probe = Arc::new(HostProbe::new());
+    let backends = Backends::for_config(config, releases)?;
     let snap = probe.snapshot();
-    let releases = releases_activations(config, snap.source);
     let s = &config.server;
     let (budget, baseline) = budget_of(config, &probe)?;
     let weights = resolve_weights(config, &backends, budget, baseline)?;

@@ -40,25 +40,18 @@ impl TiffPages {
             _ => return Err(corrupt("it has no byte-order mark")),
         };
         let read = |at: u64, n: usize| -> Result<u64, VisionError> {
-            let at =
-                usize::try_from(at).map_err(|_| corrupt("a directory offset is past the end of the file"))?;
-            let b = bytes
-                .get(at..at.saturating_add(n))
-                .ok_or_else(|| corrupt("a directory offset is past the end of the file"))?;
-            let mut v = 0u64;
-            for i in 0..n {
-                let byte = if little_endian { b[n - 1 - i] } else { b[i] };
-                v = (v << 8) | u64::from(byte);
-            }
-            Ok(v)
+            usize::try_from(at)
+                .ok()
+                .and_then(|at| uint(bytes, little_endian, at, n))
+                .ok_or_else(|| corrupt("a directory offset is past the end of the file"))
         };
         let big = match read(2, 2)? {
             42 => false,
             43 => true,
             other => return Err(corrupt(format!("its version is {other}, not 42 or 43"))),
         };
-        // (count size, entry size, offset size) of a directory.
-        let (count_size, entry_size, offset_size) = if big { (8, 20, 8) } else { (2, 12, 4) };
+        let Layout { count_size, entry_size, offset_size, .. } = Layout::of(big);
+        let entry_size = entry_size as u64;
         let mut next = read(if big { 8 } else { 4 }, offset_size)?;
         let mut directories = Vec::new();
         let mut seen = std::collections::HashSet::new();
@@ -123,25 +116,47 @@ impl TiffPages {
     /// The first value of the directory's entry `tag` when it is a SHORT (type 3); the
     /// entries read are bounded by the file, not by the count the directory declares.
     fn entry_short(&self, bytes: &[u8], directory: u64, tag: u16) -> Option<u16> {
-        let (count_size, entry_size, value_at) = if self.big { (8, 20, 12) } else { (2, 12, 8) };
+        let Layout { count_size, entry_size, value_at, .. } = Layout::of(self.big);
         let at = usize::try_from(directory).ok()?;
-        let u16_at = |i: usize| -> Option<u16> {
-            let b: [u8; 2] = bytes.get(i..i.checked_add(2)?)?.try_into().ok()?;
-            Some(if self.little_endian { u16::from_le_bytes(b) } else { u16::from_be_bytes(b) })
-        };
-        let declared = if self.big {
-            let b: [u8; 8] = bytes.get(at..at.checked_add(8)?)?.try_into().ok()?;
-            let n = if self.little_endian { u64::from_le_bytes(b) } else { u64::from_be_bytes(b) };
-            usize::try_from(n).unwrap_or(usize::MAX)
-        } else {
-            usize::from(u16_at(at)?)
-        };
+        let u16_at = |i: usize| uint(bytes, self.little_endian, i, 2).and_then(|v| u16::try_from(v).ok());
+        let declared =
+            usize::try_from(uint(bytes, self.little_endian, at, count_size)?).unwrap_or(usize::MAX);
         let fits = bytes.len().saturating_sub(at + count_size) / entry_size;
         (0..declared.min(fits))
             .map(|i| at + count_size + i * entry_size)
             .find(|&e| u16_at(e) == Some(tag) && u16_at(e + 2) == Some(3))
             .and_then(|e| u16_at(e + value_at))
     }
+}
+
+/// Sizes in a directory of a classic TIFF or a BigTIFF: its entry count, each entry,
+/// the link to the next directory, and where an entry's value starts.
+struct Layout {
+    count_size: usize,
+    entry_size: usize,
+    offset_size: usize,
+    value_at: usize,
+}
+
+impl Layout {
+    fn of(big: bool) -> Layout {
+        if big {
+            Layout { count_size: 8, entry_size: 20, offset_size: 8, value_at: 12 }
+        } else {
+            Layout { count_size: 2, entry_size: 12, offset_size: 4, value_at: 8 }
+        }
+    }
+}
+
+/// The `n`-byte unsigned number at `at` in the file's byte order; `None` past its end.
+fn uint(bytes: &[u8], little_endian: bool, at: usize, n: usize) -> Option<u64> {
+    let b = bytes.get(at..at.checked_add(n)?)?;
+    let mut v = 0u64;
+    for i in 0..n {
+        let byte = if little_endian { b[n - 1 - i] } else { b[i] };
+        v = (v << 8) | u64::from(byte);
+    }
+    Some(v)
 }
 
 /// TIFF tag 266: 1 = the most significant bit of a byte first (the usual order), 2 = least.

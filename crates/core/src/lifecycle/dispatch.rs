@@ -65,7 +65,7 @@ impl Scheduler {
                 return;
             }
             if let Some(until) = self.slice_waits(model, now) {
-                self.wake = Some(self.wake.map_or(until, |w| w.min(until)));
+                self.wake_by(until);
                 return;
             }
             let s = &self.slots[model];
@@ -73,7 +73,7 @@ impl Scheduler {
             if !s.policy.batch_delay.is_zero() && head.key.is_some() && s.queue.batchable_rows() < max {
                 let until = head.since + s.policy.batch_delay;
                 if now < until {
-                    self.wake = Some(self.wake.map_or(until, |w| w.min(until)));
+                    self.wake_by(until);
                     return;
                 }
             }

@@ -352,6 +352,11 @@ impl Scheduler {
     /// back (without this, a reading taken while an evicted model was still leaving
     /// makes the next load evict a second model it does not need to), and one that
     /// began loading has taken its bytes.
+    /// A waiting plan or batch may change by itself at `t`: the scheduler looks again by then.
+    pub(super) fn wake_by(&mut self, t: Instant) {
+        self.wake = Some(self.wake.map_or(t, |w| w.min(t)));
+    }
+
     pub(crate) fn probe_free(&self, device: &Device) -> u64 {
         match self.available.get(device) {
             None => u64::MAX,

@@ -170,7 +170,7 @@ impl Scheduler {
                     }
                     match wait {
                         Wait::Drain(models) => models.into_iter().for_each(|m| self.slots[m].draining = true),
-                        Wait::Until(t) => self.wake = Some(self.wake.map_or(t, |w| w.min(t))),
+                        Wait::Until(t) => self.wake_by(t),
                         Wait::Events => {}
                     }
                     return false;

@@ -267,12 +267,18 @@ fn a_run_holds_what_its_kind_of_work_measured_per_unit_not_the_model_s_largest_r
     h.finish(encode);
 }
 
-#[test]
-fn a_page_s_working_set_follows_its_pixels() {
+/// A detector of 50 MB beside two idle models of 300 MB each, in a budget of 1000 MB.
+fn detector_beside_two_models() -> (Harness, ModelId) {
     let mut h = Harness::new(1000, &[("det", 50), ("a", 300), ("b", 300)]);
     let det = h.id("det");
     h.call_a_second_apart(&["a", "b"]);
     h.at(2.0);
+    (h, det)
+}
+
+#[test]
+fn a_page_s_working_set_follows_its_pixels() {
+    let (mut h, det) = detector_beside_two_models();
     let large = submit_sized(&mut h, "det", 0, 1_000_000);
     assert_eq!(h.s.learn_sized(det, 400 * MB, &[large]), Some((0, 400.0 * MB as f64 / 1e6)));
     h.s.learn_transient(det, 400 * MB);
@@ -342,10 +348,7 @@ fn a_page_is_held_at_what_the_nearest_measured_pages_bound_it_by_not_the_highest
 fn a_first_page_holds_its_own_prior_until_its_kind_of_work_is_measured() {
     // A detector never run declares no working set: its first page held nothing for
     // activations of hundreds of MiB, and the process went past a byte budget.
-    let mut h = Harness::new(1000, &[("det", 50), ("a", 300), ("b", 300)]);
-    let det = h.id("det");
-    h.call_a_second_apart(&["a", "b"]);
-    h.at(2.0);
+    let (mut h, det) = detector_beside_two_models();
     let size = WorkSize { prior_bytes_per_unit: 400, ..WorkSize::new(0, 1_000_000) };
     let (first, a) = h.submit_sized("det", 7, size);
     h.settle(a);
