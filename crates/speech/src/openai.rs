@@ -97,12 +97,16 @@ pub fn open(
 }
 
 /// The job's result as OpenAI answers it: the language by name (`english`; always
-/// `english` for a translation), the segments with their decoding figures.
+/// `english` for a translation), the segments with their decoding figures, their times
+/// within the audio. Whisper's last timestamp in a window may lie past the end of the
+/// audio (the window is padded to 30 s): a 10 s clip's last segment ending at 10.0 s,
+/// a 0.2 s clip's at 2.0 s; a subtitle cue must not outlast the recording.
 pub fn transcript(result: &TranscriptionResult, task: Task) -> Transcript {
     let language = match task {
         Task::Translate => "english".to_string(),
         Task::Transcribe => languages::name(&result.language).to_string(),
     };
+    let within = |t: f64| t.min(result.duration).max(0.0);
     let segments = result
         .segments
         .iter()
@@ -110,8 +114,8 @@ pub fn transcript(result: &TranscriptionResult, task: Task) -> Transcript {
             // Whisper numbers segments from 1, OpenAI's API from 0.
             id: u32::try_from(s.id.saturating_sub(1)).unwrap_or(u32::MAX),
             seek: s.seek,
-            start: s.start,
-            end: s.end,
+            start: within(s.start),
+            end: within(s.end),
             text: s.text.clone(),
             tokens: s.tokens.clone(),
             temperature: s.temperature,
@@ -159,5 +163,32 @@ mod tests {
         assert!(message.contains("not one of this model's languages (en, fr)"), "{message}");
         assert!(!message.contains("English-only"), "{message}");
         assert_eq!(options(&config, &asking("klingon")).unwrap_err().0, "language");
+    }
+
+    #[test]
+    fn segment_times_stay_within_the_audio() {
+        use crate::whisper::Segment;
+        let segment = |id, start, end| Segment {
+            id,
+            seek: 0,
+            start,
+            end,
+            text: format!(" segment {id}"),
+            tokens: vec![1],
+            temperature: 0.0,
+            avg_logprob: -0.2,
+            compression_ratio: 1.2,
+            no_speech_prob: 0.01,
+        };
+        // beckett.wav: 9.963 s of audio, its last segment's timestamp at 10.0 s.
+        let result = TranscriptionResult {
+            language: "en".into(),
+            duration: 9.963,
+            segments: vec![segment(1, 0.0, 4.0), segment(2, 8.0, 10.0), segment(3, 10.0, 12.0)],
+            ..TranscriptionResult::default()
+        };
+        let times: Vec<(f64, f64)> =
+            transcript(&result, Task::Transcribe).segments.iter().map(|s| (s.start, s.end)).collect();
+        assert_eq!(times, [(0.0, 4.0), (8.0, 9.963), (9.963, 9.963)]);
     }
 }

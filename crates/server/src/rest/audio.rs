@@ -143,6 +143,11 @@ async fn parse_form(body: Bytes, boundary: String, task: Task) -> Result<Form, O
         let text = String::from_utf8(value.to_vec())
             .map_err(|_| bad("file", format!("the form field '{name}' is not UTF-8 text")))?;
         let text = text.trim().to_string();
+        // An empty option is one left unset (`-F temperature=`, a form's blank input):
+        // it takes its default, as a missing one does (an empty `model` is refused).
+        if text.is_empty() && name != "model" {
+            continue;
+        }
         match name.as_str() {
             "model" => form.model = Some(text),
             // The spoken language, for a translation too (Whisper's prompt names it).
