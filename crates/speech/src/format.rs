@@ -62,8 +62,21 @@ pub struct Transcript {
 }
 
 impl Transcript {
-    /// A transcript whose text is its segments' texts joined, as Whisper joins them.
-    pub fn from_segments(task: Task, language: String, duration: f64, segments: Vec<Segment>) -> Transcript {
+    /// A transcript whose text is its segments' texts joined, as Whisper joins them, and
+    /// whose segments lie within the audio. Whisper's last timestamp in a window may lie
+    /// past the end of the audio (the window is padded to 30 s: a 10 s clip's last segment
+    /// ending at 10.0 s, a 0.2 s clip's at 2.0 s); a subtitle cue must not outlast the
+    /// recording.
+    pub fn from_segments(
+        task: Task,
+        language: String,
+        duration: f64,
+        mut segments: Vec<Segment>,
+    ) -> Transcript {
+        let within = |t: f64| t.min(duration).max(0.0);
+        for s in &mut segments {
+            (s.start, s.end) = (within(s.start), within(s.end));
+        }
         let text = segments.iter().map(|s| s.text.as_str()).collect::<String>().trim().to_string();
         Transcript { task, language, duration, text, segments, words: None }
     }

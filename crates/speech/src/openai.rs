@@ -97,16 +97,13 @@ pub fn open(
 }
 
 /// The job's result as OpenAI answers it: the language by name (`english`; always
-/// `english` for a translation), the segments with their decoding figures, their times
-/// within the audio. Whisper's last timestamp in a window may lie past the end of the
-/// audio (the window is padded to 30 s): a 10 s clip's last segment ending at 10.0 s,
-/// a 0.2 s clip's at 2.0 s; a subtitle cue must not outlast the recording.
+/// `english` for a translation), the segments with their decoding figures (their times
+/// within the audio: [`Transcript::from_segments`]).
 pub fn transcript(result: &TranscriptionResult, task: Task) -> Transcript {
     let language = match task {
         Task::Translate => "english".to_string(),
         Task::Transcribe => languages::name(&result.language).to_string(),
     };
-    let within = |t: f64| t.min(result.duration).max(0.0);
     let segments = result
         .segments
         .iter()
@@ -114,8 +111,8 @@ pub fn transcript(result: &TranscriptionResult, task: Task) -> Transcript {
             // Whisper numbers segments from 1, OpenAI's API from 0.
             id: u32::try_from(s.id.saturating_sub(1)).unwrap_or(u32::MAX),
             seek: s.seek,
-            start: within(s.start),
-            end: within(s.end),
+            start: s.start,
+            end: s.end,
             text: s.text.clone(),
             tokens: s.tokens.clone(),
             temperature: s.temperature,
