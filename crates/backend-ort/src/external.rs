@@ -13,10 +13,17 @@
 //! Making it needs no runtime: the protobuf is walked with the zero-copy reader, the
 //! graph's skeleton is rewritten (a few KiB) and each weight's bytes go from file to
 //! file in the kernel (`copy_file_range`), so the copy holds no private memory and
-//! takes ~30-40 ms for 100 MiB in the page cache. That makes it cheap enough for the
-//! first load to make, and the one-time conversions (ORT format, prepacked) start from
-//! it: measured on the 100 MiB MLP, they peak at +160 MiB from it instead of +260 MiB
-//! from the `.onnx`, and finish sooner (426 instead of 646 ms).
+//! takes ~30-40 ms for 100 MiB in the page cache (weights turned around, below, are
+//! written transposed through a 4 MiB buffer: ~160 ms for the 100 MiB MLP). That makes
+//! it cheap enough for the first load to make, and the one-time conversion to the ORT
+//! format starts from it: measured on the 100 MiB MLP, it peaks at +160 MiB from it
+//! instead of +260 MiB from the `.onnx`, and finishes sooner (426 instead of 646 ms).
+//!
+//! The copy is also where a MatMul whose right-hand side is a big weight gets turned
+//! around (`transpose`): the weight stored transposed and on the left, so that runs
+//! without prepacking never pack it. Such a copy holds a `TRANSPOSED` marker, and the
+//! prepacked copy of its model is made from the `.onnx` instead (prepacking the original
+//! orientation is faster still).
 //!
 //! A model whose weights are already external (a file over 2 GB must be) or that has
 //! none worth moving has no mapped copy: it is loaded from its own files.
@@ -29,7 +36,8 @@ use std::{
 
 use crate::{
     onnx_file::ModelFile,
-    proto::{put_bytes_field, put_varint_field, RawFields, Value},
+    proto::{put_bytes_field, put_varint_field, Fields, RawFields, Value},
+    transpose::{self, Plan},
 };
 
 /// Offsets of the weights in the data file: ONNX Runtime maps a tensor only when its
@@ -40,6 +48,17 @@ pub(crate) const ALIGN: u64 = 64 << 10;
 const MIN_MOVED_BYTES: usize = 4096;
 /// The data file's name, next to the copy's `model.onnx`.
 pub(crate) const DATA_FILE: &str = "model.data";
+/// An empty file beside the copy's `model.onnx` when some of its MatMuls were turned.
+const TRANSPOSED: &str = "TRANSPOSED";
+
+/// Where a weight goes: its bytes as they are, or transposed from `(K, N)` to `N x K`.
+pub(crate) type Place<'a> = dyn FnMut(&[u8], Option<(usize, usize)>) -> Result<u64, String> + 'a;
+
+/// A rewritten model and how many of its weights were stored transposed.
+pub(crate) struct Rewritten {
+    pub(crate) model: Vec<u8>,
+    pub(crate) transposed: usize,
+}
 
 /// The mapped copy of `onnx` in `dir` (`dir/model.onnx` + `dir/model.data`), if made.
 pub(crate) fn cached(dir: &Path) -> Option<PathBuf> {
@@ -49,6 +68,24 @@ pub(crate) fn cached(dir: &Path) -> Option<PathBuf> {
 /// Whether `onnx` can have a mapped copy: its weights are inline.
 pub(crate) fn possible(onnx: &Path) -> bool {
     ModelFile::read(onnx).is_ok_and(|m| m.external_locations.is_empty())
+}
+
+/// Whether the mapped copy `copy` (its `model.onnx`) has MatMuls turned around.
+pub(crate) fn is_transposed(copy: &Path) -> bool {
+    copy.with_file_name(TRANSPOSED).is_file()
+}
+
+/// Whether the mapped copy of `onnx`, once made, would have MatMuls turned around (read
+/// from the graph, not the weights).
+pub(crate) fn would_transpose(onnx: &Path) -> bool {
+    let Ok(file) = File::open(onnx) else { return false };
+    // SAFETY: as in `copy`: read-only, dropped before returning.
+    let Ok(map) = (unsafe { memmap2::Mmap::map(&file) }) else { return false };
+    let graphs = Fields::new(&map).filter_map(|f| match f {
+        Ok((7, Value::Bytes(graph))) => Some(graph),
+        _ => None,
+    });
+    graphs.take(1).any(|graph| transpose::plan(graph).is_ok_and(|p| !p.is_empty()))
 }
 
 /// The mapped copy of `onnx` in `dir`, made now if it is not there yet (written beside
@@ -100,12 +137,17 @@ fn write_copy(file: &File, map: &[u8], tmp: &Path) -> Result<bool, String> {
     let mut data =
         File::create(&data_path).map_err(|e| format!("cannot create {}: {e}", data_path.display()))?;
     let mut end = 0u64;
-    let mut place = |bytes: &[u8]| -> Result<u64, String> {
+    let mut place = |bytes: &[u8], transposed: Option<(usize, usize)>| -> Result<u64, String> {
         // Where `bytes` sit in the file: they are a slice of `map`, which maps it from 0.
         let from = (bytes.as_ptr() as usize).wrapping_sub(map.as_ptr() as usize) as u64;
         let at = end.next_multiple_of(ALIGN);
         // The gap is a hole (zeros); the bytes go from file to file in the kernel.
         data.seek(SeekFrom::Start(at)).map_err(|e| e.to_string())?;
+        if let Some((k, n)) = transposed {
+            transpose::write_transposed(&mut data, bytes, k, n).map_err(|e| e.to_string())?;
+            end = at + bytes.len() as u64;
+            return Ok(at);
+        }
         let mut src = file;
         src.seek(SeekFrom::Start(from)).map_err(|e| e.to_string())?;
         let len = bytes.len() as u64;
@@ -117,32 +159,45 @@ fn write_copy(file: &File, map: &[u8], tmp: &Path) -> Result<bool, String> {
         end = at + len;
         Ok(at)
     };
-    let Some(model) = rewrite(map, &mut place)? else { return Ok(false) };
+    let Some(rewritten) = rewrite(map, &mut place)? else { return Ok(false) };
     let model_path = tmp.join("model.onnx");
-    std::fs::write(&model_path, model).map_err(|e| format!("cannot write {}: {e}", model_path.display()))?;
+    std::fs::write(&model_path, rewritten.model)
+        .map_err(|e| format!("cannot write {}: {e}", model_path.display()))?;
+    if rewritten.transposed > 0 {
+        let mark = tmp.join(TRANSPOSED);
+        std::fs::write(&mark, b"").map_err(|e| format!("cannot write {}: {e}", mark.display()))?;
+    }
     Ok(true)
 }
 
 /// The model `buf` with each main-graph initializer's inline `raw_data` of at least
 /// `MIN_MOVED_BYTES` handed to `place` (which stores them and says at which offset of
-/// the data file) and replaced by an external-data reference; every other field is
-/// copied as it was encoded. `None` when no tensor was moved. Field numbers are those
-/// of `onnx/onnx.proto3`: ModelProto.graph = 7, GraphProto.initializer = 5.
-pub(crate) fn rewrite(
-    buf: &[u8],
-    place: &mut dyn FnMut(&[u8]) -> Result<u64, String>,
-) -> Result<Option<Vec<u8>>, String> {
+/// the data file) and replaced by an external-data reference, and the MatMuls the graph's
+/// `transpose::Plan` names turned around (their weights handed to `place` as transposed);
+/// every other field is copied as it was encoded. `None` when no tensor was moved. Field
+/// numbers are those of `onnx/onnx.proto3`: ModelProto.graph = 7, GraphProto.node = 1,
+/// GraphProto.initializer = 5.
+pub(crate) fn rewrite(buf: &[u8], place: &mut Place<'_>) -> Result<Option<Rewritten>, String> {
     let mut out = Vec::new();
-    let mut moved = 0usize;
+    let (mut moved, mut transposed) = (0usize, 0usize);
     for field in RawFields::new(buf) {
         match field? {
             (7, graph, _) => {
+                let graph = graph.bytes(7)?;
+                // A graph the plan cannot read is copied as it is: turning is an
+                // optimisation, and ONNX Runtime judges the graph when it loads it.
+                let plan = transpose::plan(graph).unwrap_or_default();
                 let mut g = Vec::new();
-                for field in RawFields::new(graph.bytes(7)?) {
+                for field in RawFields::new(graph) {
                     match field? {
-                        (5, tensor, raw) => match external_tensor(tensor.bytes(5)?, place)? {
-                            Some(t) => {
+                        (1, node, raw) => match plan.rewrite_node(node.bytes(1)?)? {
+                            Some(nodes) => nodes.iter().for_each(|n| put_bytes_field(&mut g, 1, n)),
+                            None => g.extend_from_slice(raw),
+                        },
+                        (5, tensor, raw) => match external_tensor(tensor.bytes(5)?, place, &plan)? {
+                            Some((t, turned)) => {
                                 moved += 1;
+                                transposed += usize::from(turned);
                                 put_bytes_field(&mut g, 5, &t);
                             }
                             None => g.extend_from_slice(raw),
@@ -155,32 +210,41 @@ pub(crate) fn rewrite(
             (_, _, raw) => out.extend_from_slice(raw),
         }
     }
-    Ok((moved > 0).then_some(out))
+    Ok((moved > 0).then_some(Rewritten { model: out, transposed }))
 }
 
 /// A TensorProto whose `raw_data` (9) moved out: the same fields but that one, plus
-/// `external_data` (13: location, offset, length) and `data_location` (14) = EXTERNAL.
+/// `external_data` (13: location, offset, length) and `data_location` (14) = EXTERNAL;
+/// for a weight `plan` names, its `dims` (1) swapped and its data transposed (`true`).
 fn external_tensor(
     buf: &[u8],
-    place: &mut dyn FnMut(&[u8]) -> Result<u64, String>,
-) -> Result<Option<Vec<u8>>, String> {
-    let mut raw_data = None;
+    place: &mut Place<'_>,
+    plan: &Plan,
+) -> Result<Option<(Vec<u8>, bool)>, String> {
+    let (mut raw_data, mut name) = (None, "");
     for field in RawFields::new(buf) {
         match field? {
             (9, Value::Bytes(b), _) => raw_data = Some(b),
+            (8, v, _) => name = v.string(8)?,
             // Already external (or a location field set on an inline tensor): leave it.
             (13 | 14, _, _) => return Ok(None),
             _ => {}
         }
     }
     let Some(bytes) = raw_data.filter(|b| b.len() >= MIN_MOVED_BYTES) else { return Ok(None) };
-    let offset = place(bytes)?;
+    let turned = plan.weight(name);
+    let offset = place(bytes, turned)?;
     let mut out = Vec::with_capacity(buf.len().min(4096) + 64);
     for field in RawFields::new(buf) {
         match field? {
             (9, _, _) => {}
+            (1, _, _) if turned.is_some() => {}
             (_, _, raw) => out.extend_from_slice(raw),
         }
+    }
+    if let Some((k, n)) = turned {
+        put_varint_field(&mut out, 1, n as u64);
+        put_varint_field(&mut out, 1, k as u64);
     }
     for (key, value) in [
         ("location", DATA_FILE.to_owned()),
@@ -193,7 +257,7 @@ fn external_tensor(
         put_bytes_field(&mut out, 13, &entry);
     }
     put_varint_field(&mut out, 14, 1);
-    Ok(Some(out))
+    Ok(Some((out, turned.is_some())))
 }
 
 #[cfg(test)]
@@ -213,11 +277,14 @@ mod tests {
     }
 
     /// A "data file" in memory, placing each tensor at the next aligned offset.
-    fn sink(data: &mut Vec<u8>) -> impl FnMut(&[u8]) -> Result<u64, String> + '_ {
-        move |bytes| {
+    fn sink(data: &mut Vec<u8>) -> impl FnMut(&[u8], Option<(usize, usize)>) -> Result<u64, String> + '_ {
+        move |bytes, transposed| {
             let at = (data.len() as u64).next_multiple_of(ALIGN);
             data.resize(at as usize, 0);
-            data.extend_from_slice(bytes);
+            match transposed {
+                Some((k, n)) => transpose::write_transposed(data, bytes, k, n).unwrap(),
+                None => data.extend_from_slice(bytes),
+            }
             Ok(at)
         }
     }
@@ -236,7 +303,7 @@ mod tests {
         .concat();
         let model = [varint_field(1, 8), bytes_field(7, &graph), bytes_field(14, b"metadata")].concat();
         let mut data = Vec::new();
-        let out = rewrite(&model, &mut sink(&mut data)).unwrap().unwrap();
+        let out = rewrite(&model, &mut sink(&mut data)).unwrap().unwrap().model;
         assert!(out.len() < 400, "the weights left the graph: {} bytes", out.len());
         let top = fields(&out);
         assert_eq!(top[0], (1, Value::Varint(8)));
@@ -276,10 +343,56 @@ mod tests {
     #[test]
     fn a_model_with_nothing_to_move_or_external_weights_is_left_alone() {
         let small = [varint_field(1, 8), bytes_field(7, &bytes_field(5, &tensor("s", &[1; 8])))].concat();
-        assert_eq!(rewrite(&small, &mut sink(&mut Vec::new())).unwrap(), None);
+        assert!(rewrite(&small, &mut sink(&mut Vec::new())).unwrap().is_none());
         let external = [tensor("w", &[0; 8192]), varint_field(14, 1)].concat();
         let model = [bytes_field(7, &bytes_field(5, &external))].concat();
-        assert_eq!(rewrite(&model, &mut sink(&mut Vec::new())).unwrap(), None);
+        assert!(rewrite(&model, &mut sink(&mut Vec::new())).unwrap().is_none());
+    }
+
+    #[test]
+    fn a_big_matmul_weight_is_written_transposed_with_its_dims_swapped_and_its_node_turned() {
+        // x [batch, 256] -> MatMul(x, W [256, 1024]) = y: W is 1 MiB with 1024 columns.
+        let (k, n) = (256usize, 1024usize);
+        let w: Vec<u8> = (0..(k * n) as u32).flat_map(|v| v.to_le_bytes()).collect();
+        let weight = [
+            varint_field(1, k as u64),
+            varint_field(1, n as u64),
+            varint_field(2, 1),
+            bytes_field(8, b"W"),
+            bytes_field(9, &w),
+        ]
+        .concat();
+        let dim = bytes_field(1, &varint_field(1, 256));
+        let x_type = [varint_field(1, 1), bytes_field(2, &[dim.clone(), dim].concat())].concat();
+        let x = [bytes_field(1, b"x"), bytes_field(2, &bytes_field(1, &x_type))].concat();
+        let matmul =
+            [bytes_field(1, b"x"), bytes_field(1, b"W"), bytes_field(2, b"y"), bytes_field(4, b"MatMul")]
+                .concat();
+        let graph = [bytes_field(1, &matmul), bytes_field(5, &weight), bytes_field(11, &x)].concat();
+        let mut data = Vec::new();
+        let out = rewrite(&bytes_field(7, &graph), &mut sink(&mut data)).unwrap().unwrap();
+        assert_eq!(out.transposed, 1);
+        let top = fields(&out.model);
+        let Value::Bytes(g) = top[0].1 else { panic!() };
+        let ops: Vec<String> = fields(g)
+            .iter()
+            .filter(|(f, _)| *f == 1)
+            .map(|(_, v)| {
+                let Value::Bytes(node) = v else { panic!() };
+                let op = fields(node).into_iter().find(|(f, _)| *f == 4).unwrap().1;
+                let Value::Bytes(op) = op else { panic!() };
+                String::from_utf8(op.to_vec()).unwrap()
+            })
+            .collect();
+        assert_eq!(ops, ["Transpose", "MatMul", "Transpose"]);
+        let Value::Bytes(t) = fields(g).into_iter().find(|(f, _)| *f == 5).unwrap().1 else { panic!() };
+        let dims: Vec<_> = fields(t).into_iter().filter(|(f, _)| *f == 1).map(|(_, v)| v).collect();
+        assert_eq!(dims, [Value::Varint(n as u64), Value::Varint(k as u64)], "[N, K]");
+        let stored: Vec<u32> =
+            data[..k * n * 4].chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+        for (row, col) in [(0, 0), (1, 0), (0, 1), (n - 1, k - 1), (517, 33)] {
+            assert_eq!(stored[row * k + col], (col * n + row) as u32, "Wᵀ[{row}][{col}] = W[{col}][{row}]");
+        }
     }
 
     #[test]
@@ -287,7 +400,7 @@ mod tests {
         let cut = &bytes_field(7, &bytes_field(5, &tensor("w", &[0; 8192])))[..100];
         assert!(rewrite(cut, &mut sink(&mut Vec::new())).is_err());
         let model = bytes_field(7, &bytes_field(5, &tensor("w", &[0; 8192])));
-        let err = rewrite(&model, &mut |_| Err("disk full".to_owned())).unwrap_err();
+        let err = rewrite(&model, &mut |_, _| Err("disk full".to_owned())).err().unwrap();
         assert_eq!(err, "disk full");
     }
 }

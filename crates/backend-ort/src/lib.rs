@@ -34,6 +34,7 @@ mod owners;
 mod proto;
 mod sessions;
 mod threads;
+mod transpose;
 mod weights;
 mod whisper;
 
@@ -148,6 +149,15 @@ impl OrtBackend {
         self.cache_dir.as_deref().is_some_and(|dir| {
             weights::cached_mapped_copy(file, dir, &self.library).is_some() || external::possible(file)
         })
+    }
+
+    /// Whether the mapped copy of `file` in `dir` has (or, once made, will have) MatMuls
+    /// turned around (see `transpose`).
+    fn transposable(&self, file: &Path, dir: &Path) -> bool {
+        match weights::cached_mapped_copy(file, dir, &self.library) {
+            Some(copy) => external::is_transposed(&copy),
+            None => external::would_transpose(file),
+        }
     }
 
     /// The ORT-format copy of `file`, if it was made.
@@ -328,7 +338,8 @@ impl Backend for OrtBackend {
 
     /// The ORT-format copy (`compact`, `mapped`) or the prepacked copy (`prepacked`) that
     /// does not exist yet, as the peak its conversion holds: about 1.7x the model from
-    /// its mapped copy, 2.7x from the `.onnx`.
+    /// its mapped copy, 2.7x from the `.onnx` (where a prepacked copy of a model whose
+    /// mapped copy has MatMuls turned around is made from).
     fn preparation(&self, path: &Path, weights: Weights) -> Option<u64> {
         let dir = self.cache_dir.as_deref()?;
         if task_of(path) == Task::Transcription {
@@ -339,9 +350,13 @@ impl Backend for OrtBackend {
             Weights::Compact | Weights::Mapped => weights::cached_ort_file(&file, dir, &self.library),
             Weights::Prepacked | Weights::Auto => weights::cached_prepacked_file(&file, dir, &self.library),
         };
+        let prepacking = matches!(weights, Weights::Prepacked | Weights::Auto);
         match made {
             Some(_) => None,
-            None => estimate::conversion_peak(path, self.mappable(&file)),
+            None => estimate::conversion_peak(
+                path,
+                self.mappable(&file) && !(prepacking && self.transposable(&file, dir)),
+            ),
         }
     }
 

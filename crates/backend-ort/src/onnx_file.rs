@@ -274,6 +274,17 @@ impl ValueInfo {
     }
 }
 
+/// A graph input's or value info's name and declared rank (`None`: not a tensor, or no
+/// shape given).
+pub(crate) fn declared_rank(buf: &[u8]) -> Result<(String, Option<usize>), String> {
+    let info = value_info(buf)?;
+    let rank = match info.kind {
+        ValueKind::Tensor { shape: Some(dims), .. } => Some(dims.len()),
+        _ => None,
+    };
+    Ok((info.name, rank))
+}
+
 fn value_info(buf: &[u8]) -> Result<ValueInfo, String> {
     let mut name = String::new();
     let mut kind = ValueKind::Missing;

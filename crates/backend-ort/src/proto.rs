@@ -48,6 +48,12 @@ impl<'a> Fields<'a> {
         Fields { buf, pos: 0 }
     }
 
+    /// The varints of a packed repeated field's payload (`[packed = true]` int64s).
+    pub(crate) fn packed_varints(buf: &'a [u8]) -> impl Iterator<Item = Result<u64, String>> + 'a {
+        let mut reader = Fields::new(buf);
+        std::iter::from_fn(move || (reader.pos < reader.buf.len()).then(|| reader.read_varint()))
+    }
+
     fn read_varint(&mut self) -> Result<u64, String> {
         let mut value = 0u64;
         for shift in (0..64).step_by(7) {

@@ -67,15 +67,32 @@ fn every_profile_gives_the_same_outputs() {
     let compact = run(Weights::Compact);
     let mapped = run(Weights::Mapped);
     assert_eq!(compact, mapped, "the same kernels over the same bytes: bit for bit");
-    // The .onnx loaded as its copy runs (no prepacked GEMM): the copy's outputs, bit for bit,
-    // not the prepacked ones (checked just below to differ, or this would prove nothing).
+    // The mapped copy, whose MatMuls are turned around (the weights stored transposed, on
+    // the left: no run packs them), runs as the ORT-format copy made from it, bit for bit.
     assert_eq!(unconverted, mapped, "an unconverted mapped load runs as its converted copy does");
-    assert_eq!(from_onnx, mapped, "so does one from the .onnx");
+    let copies: Vec<_> = std::fs::read_dir(cache.path()).unwrap().map(|e| e.unwrap().path()).collect();
+    let copy = copies.iter().find(|p| p.extension().is_some_and(|e| e == "mapped")).unwrap();
+    assert!(copy.join("TRANSPOSED").is_file(), "the MLP's mapped copy has its MatMuls turned: {copies:?}");
+    // Other kernels, other summation order (the .onnx without prepacking, the prepacked
+    // copy made from the .onnx): within 1e-5 of the output's scale, and not bit for bit
+    // (or the comparisons would prove nothing).
+    assert_ne!(from_onnx, mapped, "the .onnx runs the MatMuls the other way round");
+    // The prepacked copy is made from the .onnx, not from the turned copy: it runs as the
+    // .onnx prepacked at load does (the original orientation prepacked is the fastest).
+    let default = {
+        let m = backend().load(&spec("mlp-100m-1", Weights::Prepacked)).unwrap();
+        inputs().iter().map(|i| floats(&m.infer(i, &[]).unwrap())).collect::<Vec<_>>()
+    };
+    b.prepare(&spec("mlp-100m-1", Weights::Prepacked)).unwrap();
+    assert_eq!(entries(cache.path(), ".prepacked").len(), 1, "the prepacked copy was made");
+    assert_eq!(run(Weights::Prepacked), default, "the prepacked copy multiplies as the .onnx prepacked does");
+    assert_eq!(prepacked, default);
     assert_ne!(unconverted, prepacked, "prepacking changes the summation order on this model");
-    // Other kernels (packed GEMM), other summation order: within 1e-5 of the output's scale.
-    for (p, c) in prepacked.iter().zip(&compact) {
-        let (scale, worst) = (max_abs(p), max_abs_diff(p, c));
-        assert!(worst <= 1e-5 * scale, "prepacked vs compact differ by {worst:e}, output scale {scale}");
+    for other in [&prepacked, &from_onnx] {
+        for (p, c) in other.iter().zip(&compact) {
+            let (scale, worst) = (max_abs(p), max_abs_diff(p, c));
+            assert!(worst <= 1e-5 * scale, "compact differs by {worst:e}, output scale {scale}");
+        }
     }
     // And the numpy reference.
     let text = std::fs::read_to_string(model("mlp-100m-1").join("reference.json")).unwrap();
@@ -214,7 +231,9 @@ fn a_broken_mapped_copy_is_replaced_by_the_onnx_and_made_again() {
     assert!(!copy.exists(), "the broken copy is gone");
     let m = b.load(&spec("mlp-10m", Weights::Mapped)).unwrap();
     assert!(m.mapped_bytes() > 0 && copy.join("model.data").is_file(), "made again by the next load");
-    assert_eq!(run(m.as_ref()), from_onnx);
+    // Its MatMuls turned around (see `transpose` in the crate): the same sums to rounding.
+    let (again, scale) = (run(m.as_ref()), max_abs(&from_onnx));
+    assert!(max_abs_diff(&again, &from_onnx) <= 1e-5 * scale, "the copy made again answers as the .onnx");
 }
 
 /// The cache entries of `dir` whose names end with `suffix`.
