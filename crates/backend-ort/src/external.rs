@@ -351,8 +351,8 @@ mod tests {
 
     #[test]
     fn a_big_matmul_weight_is_written_transposed_with_its_dims_swapped_and_its_node_turned() {
-        // x [batch, 256] -> MatMul(x, W [256, 1024]) = y: W is 1 MiB with 1024 columns.
-        let (k, n) = (256usize, 1024usize);
+        // x [batch, 256] -> MatMul(x, W [256, 8192]) = y: W is 8 MiB with 8192 columns.
+        let (k, n) = (256usize, 8192usize);
         let w: Vec<u8> = (0..(k * n) as u32).flat_map(|v| v.to_le_bytes()).collect();
         let weight = [
             varint_field(1, k as u64),

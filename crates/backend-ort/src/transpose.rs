@@ -11,7 +11,7 @@
 //! Runtime's transpose optimiser then cancels the transposes between consecutive layers.
 //!
 //! Rewritten: a main-graph `MatMul(A, W)` whose `W` is an inline FLOAT initializer of shape
-//! `[K, N]` with `N >= MIN_COLUMNS` and at least `MIN_BYTES`, every use of which is such a
+//! `[K, N]` with `N >= MIN_COLUMNS` and at least `MIN_BYTES` (8 MiB), every use of which is such a
 //! MatMul, and whose `A` is known to have rank 2 (from the graph's declared inputs and
 //! value infos, carried through elementwise ops). It becomes
 //! `Transpose(MatMul(Wᵀ, Transpose(A)))`, `Wᵀ` stored under `W`'s name. The sums are the
@@ -27,8 +27,12 @@ use crate::{
     proto::{put_bytes_field, put_varint_field, Fields},
 };
 
-/// Smaller weights are cheap to pack (they stay in the caches).
-const MIN_BYTES: usize = 1 << 20;
+/// Smaller weights gain less than they lose: one row is multiplied without packing
+/// either way, and turned it runs slower (measured on 2 cores, no prepacking: the 10 MiB
+/// MLP's 5 MiB matrices 1.58x slower on one row for 0.73-0.94x on 2-16 rows, and the mix
+/// benchmark runs that model one row at a time; the 100 MiB MLP's 50 MiB ones 1.19x
+/// slower on one row for 0.62-0.73x on 2-16).
+const MIN_BYTES: usize = 8 << 20;
 /// The transposed product has `N` rows to share among the threads; with few, the packed
 /// activations (`K x M`) could outweigh the weight they replace.
 const MIN_COLUMNS: usize = 256;
@@ -369,7 +373,7 @@ mod tests {
         [bytes_field(1, name.as_bytes()), bytes_field(2, &bytes_field(1, &tensor))].concat()
     }
 
-    /// x -> MatMul(W1 [256, 1024]) -> Add(B1) -> Relu -> MatMul(W2 [1024, 256]) = y, with
+    /// x -> MatMul(W1 [256, 8192]) -> Add(B1) -> Relu -> MatMul(W2 [8192, 256]) = y, with
     /// `extra` graph fields.
     fn mlp(x_rank: Option<usize>, extra: &[Vec<u8>]) -> Vec<u8> {
         let mut g = [
@@ -377,18 +381,18 @@ mod tests {
             bytes_field(1, &node("Add", &["h0", "B1"], "h1")),
             bytes_field(1, &node("Relu", &["h1"], "h2")),
             bytes_field(1, &node("MatMul", &["h2", "W2"], "y")),
-            bytes_field(5, &weight("W1", 256, 1024)),
+            bytes_field(5, &weight("W1", 256, 8192)),
             bytes_field(
                 5,
                 &[
-                    varint_field(1, 1024),
+                    varint_field(1, 8192),
                     varint_field(2, 1),
                     bytes_field(8, b"B1"),
-                    bytes_field(9, &[0; 4096]),
+                    bytes_field(9, &[0; 32768]),
                 ]
                 .concat(),
             ),
-            bytes_field(5, &weight("W2", 1024, 256)),
+            bytes_field(5, &weight("W2", 8192, 256)),
             bytes_field(11, &input("x", x_rank)),
         ]
         .concat();
@@ -405,7 +409,7 @@ mod tests {
     #[test]
     fn the_matmuls_of_a_rank_2_mlp_are_turned_and_their_weights_stored_transposed() {
         let plan = plan(&mlp(Some(2), &[])).unwrap();
-        assert_eq!(turned(&plan), [("W1".to_owned(), (256, 1024)), ("W2".to_owned(), (1024, 256))]);
+        assert_eq!(turned(&plan), [("W1".to_owned(), (256, 8192)), ("W2".to_owned(), (8192, 256))]);
         let nodes = plan.rewrite_node(&node("MatMul", &["h2", "W2"], "y")).unwrap().unwrap();
         let parsed: Vec<_> = nodes.iter().map(|n| parse_node(n).unwrap()).collect();
         let at = "y/snooze_transposed_input";
@@ -444,10 +448,10 @@ mod tests {
         assert!(none(&mlp(None, &[])), "an input of unknown rank");
         // A weight also used by another op: it must stay as it is, and so do its MatMuls.
         let shared = plan(&mlp(Some(2), &[bytes_field(1, &node("Identity", &["W1"], "w1_copy"))])).unwrap();
-        assert_eq!(turned(&shared), [("W2".to_owned(), (1024, 256))]);
+        assert_eq!(turned(&shared), [("W2".to_owned(), (8192, 256))]);
         // A weight that is also a graph output, or an input (an overridable constant).
         let output = plan(&mlp(Some(2), &[bytes_field(12, &input("W2", Some(2)))])).unwrap();
-        assert_eq!(turned(&output), [("W1".to_owned(), (256, 1024))]);
+        assert_eq!(turned(&output), [("W1".to_owned(), (256, 8192))]);
         // A subgraph anywhere (an If's branch may use an outer weight): nothing.
         let branch = bytes_field(5, &[bytes_field(1, b"then_branch"), bytes_field(6, b"")].concat());
         let with_if = [node("If", &["cond"], "out"), branch].concat();
@@ -456,7 +460,7 @@ mod tests {
         let taken =
             plan(&mlp(Some(2), &[bytes_field(1, &node("Relu", &["y"], "y/snooze_transposed_product"))]))
                 .unwrap();
-        assert_eq!(turned(&taken), [("W1".to_owned(), (256, 1024))]);
+        assert_eq!(turned(&taken), [("W1".to_owned(), (256, 8192))]);
     }
 
     #[test]
@@ -470,35 +474,35 @@ mod tests {
             .concat()
         };
         assert!(
-            !plan(&graph(weight("W", 256, 1024))).unwrap().is_empty(),
-            "the control: 1 MiB, 1024 columns"
+            !plan(&graph(weight("W", 256, 8192))).unwrap().is_empty(),
+            "the control: 8 MiB, 8192 columns"
         );
-        assert!(plan(&graph(weight("W", 128, 1024))).unwrap().is_empty(), "512 KiB: cheap to pack");
-        assert!(plan(&graph(weight("W", 4096, 128))).unwrap().is_empty(), "128 columns");
-        let mut double = weight("W", 256, 1024);
+        assert!(plan(&graph(weight("W", 256, 4096))).unwrap().is_empty(), "4 MiB: gains less than it loses");
+        assert!(plan(&graph(weight("W", 32768, 128))).unwrap().is_empty(), "128 columns");
+        let mut double = weight("W", 256, 8192);
         double.extend(varint_field(2, 11));
         assert!(plan(&graph(double)).unwrap().is_empty(), "DOUBLE");
         let short = [
             varint_field(1, 256),
-            varint_field(1, 1024),
+            varint_field(1, 8192),
             varint_field(2, 1),
             bytes_field(8, b"W"),
             bytes_field(9, &[0; 4096]),
         ]
         .concat();
         assert!(plan(&graph(short)).unwrap().is_empty(), "data shorter than its shape");
-        let mut external = weight("W", 256, 1024);
+        let mut external = weight("W", 256, 8192);
         external.extend(varint_field(14, 1));
         assert!(plan(&graph(external)).unwrap().is_empty(), "external data");
         // Dims written packed, as some exporters do: read the same.
         let packed = [
-            bytes_field(1, &[0x80, 0x02, 0x80, 0x08]),
+            bytes_field(1, &[0x80, 0x02, 0x80, 0x40]),
             varint_field(2, 1),
             bytes_field(8, b"W"),
-            bytes_field(9, &vec![0; 1 << 20]),
+            bytes_field(9, &vec![0; 8 << 20]),
         ]
         .concat();
-        assert_eq!(turned(&plan(&graph(packed)).unwrap()), [("W".to_owned(), (256, 1024))]);
+        assert_eq!(turned(&plan(&graph(packed)).unwrap()), [("W".to_owned(), (256, 8192))]);
         assert!(plan(&[0x0a, 0x05, 1]).is_err(), "a graph cut short is an error");
     }
 

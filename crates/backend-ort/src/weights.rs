@@ -24,10 +24,12 @@
 //! page-aligned data file that ONNX Runtime maps, made by the first load in ~40 ms
 //! without the runtime or private memory, loaded in ~4 ms, run as the ORT-format copy
 //! runs. A model that cannot have one loads the `.onnx` without prepacking (~150 ms for
-//! 100 MiB instead of ~300). The one-time conversions start from the mapped copy.
+//! 100 MiB instead of ~300). The one-time conversions start from the mapped copy, but
+//! for a prepacked copy of a model whose mapped copy turned MatMuls around (see
+//! `transpose`): that one starts from the `.onnx`.
 //!
-//! The cache (`state_dir/ort-cache/`) is keyed by the model files' fingerprint and the
-//! runtime library; the user's files are never touched. A conversion that fails is an
+//! The cache (`state_dir/ort-cache/`) is keyed by the model files' fingerprint, the
+//! runtime library and the copies' form (`FORM_LINE`); the user's files are never touched. A conversion that fails is an
 //! error naming the file and the reason.
 
 use std::{

@@ -13,7 +13,11 @@ fn scratch(tag: &str) -> (PathBuf, PathBuf) {
 
 /// The three entries `onnx` can have in `cache`, as files and folders of some bytes.
 fn entries(onnx: &Path, cache: &Path, runtime: &Path) -> [PathBuf; 3] {
-    let stem = cache_stem(onnx, runtime);
+    entries_named(&cache_stem(onnx, runtime), cache)
+}
+
+/// The three entries of the stem `stem` in `cache`, made as [`entries`] makes them.
+fn entries_named(stem: &str, cache: &Path) -> [PathBuf; 3] {
     let [ort, mapped, prepacked] =
         [".ort", ".mapped", ".prepacked"].map(|suffix| cache.join(format!("{stem}{suffix}")));
     std::fs::write(&ort, b"ort").unwrap();
@@ -76,13 +80,7 @@ fn the_copies_of_an_earlier_form_go_and_those_of_this_one_stay() {
     let current = entries(&onnx, &cache, runtime);
     remember_source(&onnx, &cache, runtime);
     // What a version before form 2 left: the same model, noted with two lines.
-    let earlier: Vec<PathBuf> = [".ort", ".mapped", ".prepacked"]
-        .iter()
-        .map(|s| cache.join(format!("mlp-0123456789abcdef{s}")))
-        .collect();
-    std::fs::write(&earlier[0], b"ort").unwrap();
-    std::fs::create_dir_all(&earlier[1]).unwrap();
-    std::fs::create_dir_all(&earlier[2]).unwrap();
+    let earlier = entries_named("mlp-0123456789abcdef", &cache);
     let old_source = cache.join("mlp-0123456789abcdef.source");
     let path = std::path::absolute(&onnx).unwrap();
     std::fs::write(&old_source, format!("{}\n{}\n", path.display(), model_fingerprint(&onnx))).unwrap();
