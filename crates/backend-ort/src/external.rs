@@ -180,13 +180,16 @@ fn write_copy(file: &File, map: &[u8], tmp: &Path) -> Result<bool, String> {
 pub(crate) fn rewrite(buf: &[u8], place: &mut Place<'_>) -> Result<Option<Rewritten>, String> {
     let mut out = Vec::new();
     let (mut moved, mut transposed) = (0usize, 0usize);
+    // The rewrite's Gemm without a bias needs opset 11 of the default domain.
+    let turnable = default_opset(buf).is_some_and(|v| v >= transpose::MIN_OPSET);
     for field in RawFields::new(buf) {
         match field? {
             (7, graph, _) => {
                 let graph = graph.bytes(7)?;
                 // A graph the plan cannot read is copied as it is: turning is an
                 // optimisation, and ONNX Runtime judges the graph when it loads it.
-                let plan = transpose::plan(graph).unwrap_or_default();
+                let plan =
+                    if turnable { transpose::plan(graph).unwrap_or_default() } else { Plan::default() };
                 let mut g = Vec::new();
                 for field in RawFields::new(graph) {
                     match field? {
@@ -211,6 +214,26 @@ pub(crate) fn rewrite(buf: &[u8], place: &mut Place<'_>) -> Result<Option<Rewrit
         }
     }
     Ok((moved > 0).then_some(Rewritten { model: out, transposed }))
+}
+
+/// The version of the default ONNX domain the model `buf` imports (ModelProto.opset_import
+/// = 8; OperatorSetIdProto domain = 1, version = 2).
+fn default_opset(buf: &[u8]) -> Option<u64> {
+    for field in Fields::new(buf) {
+        let Ok((8, Value::Bytes(set))) = field else { continue };
+        let (mut domain, mut version) = ("", None);
+        for f in Fields::new(set) {
+            match f {
+                Ok((1, Value::Bytes(d))) => domain = std::str::from_utf8(d).unwrap_or("?"),
+                Ok((2, Value::Varint(v))) => version = Some(v),
+                _ => {}
+            }
+        }
+        if matches!(domain, "" | "ai.onnx") {
+            return version;
+        }
+    }
+    None
 }
 
 /// A TensorProto whose `raw_data` (9) moved out: the same fields but that one, plus
@@ -370,7 +393,13 @@ mod tests {
                 .concat();
         let graph = [bytes_field(1, &matmul), bytes_field(5, &weight), bytes_field(11, &x)].concat();
         let mut data = Vec::new();
-        let out = rewrite(&bytes_field(7, &graph), &mut sink(&mut data)).unwrap().unwrap();
+        let opset = bytes_field(8, &varint_field(2, 17));
+        let unturned = rewrite(
+            &[bytes_field(7, &graph), bytes_field(8, &varint_field(2, 10))].concat(),
+            &mut sink(&mut Vec::new()),
+        );
+        assert_eq!(unturned.unwrap().unwrap().transposed, 0, "opset 10: its Gemm needs a bias");
+        let out = rewrite(&[bytes_field(7, &graph), opset].concat(), &mut sink(&mut data)).unwrap().unwrap();
         assert_eq!(out.transposed, 1);
         let top = fields(&out.model);
         let Value::Bytes(g) = top[0].1 else { panic!() };
@@ -384,7 +413,7 @@ mod tests {
                 String::from_utf8(op.to_vec()).unwrap()
             })
             .collect();
-        assert_eq!(ops, ["Transpose", "MatMul", "Transpose"]);
+        assert_eq!(ops, ["Constant", "Constant", "Shape", "Gather", "Equal", "If"]);
         let Value::Bytes(t) = fields(g).into_iter().find(|(f, _)| *f == 5).unwrap().1 else { panic!() };
         let dims: Vec<_> = fields(t).into_iter().filter(|(f, _)| *f == 1).map(|(_, v)| v).collect();
         assert_eq!(dims, [Value::Varint(n as u64), Value::Varint(k as u64)], "[N, K]");

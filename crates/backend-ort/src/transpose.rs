@@ -7,18 +7,22 @@
 //! packs each weight matrix again: on the Zipf benchmark's 100 MiB MLP under churn that
 //! copy was 62% of the server's CPU (`bench/README.md`). Since `A · W = (Wᵀ · Aᵀ)ᵀ`, a
 //! copy that stores `Wᵀ` and puts it on the left has the runtime pack the activations
-//! instead (`K x M`: a batch's rows, kilobytes) and read the weight once, in place. ONNX
-//! Runtime's transpose optimiser then cancels the transposes between consecutive layers.
+//! instead (`K x M`: a batch's rows, kilobytes) and read the weight once, in place. One
+//! row, which MLAS multiplies without packing either way, would be slower so (a product
+//! with a one-column right-hand side); it takes `Gemm(A, Wᵀ, transB = 1)` instead, which
+//! MLAS runs as dot products along `Wᵀ`'s rows, chosen at run time by an `If` on the
+//! row count.
 //!
-//! Rewritten: a main-graph `MatMul(A, W)` whose `W` is an inline FLOAT initializer of shape
-//! `[K, N]` with `N >= MIN_COLUMNS` and at least `MIN_BYTES` (8 MiB), every use of which is such a
-//! MatMul, and whose `A` is known to have rank 2 (from the graph's declared inputs and
-//! value infos, carried through elementwise ops). It becomes
-//! `Transpose(MatMul(Wᵀ, Transpose(A)))`, `Wᵀ` stored under `W`'s name. The sums are the
-//! same products over the same `K` in another kernel, so outputs agree to rounding, not
-//! bit for bit. A prepacked session is faster still, and packs nothing at run time either;
-//! the prepacked copy is made from the `.onnx`. Graphs with subgraphs (`If`, `Loop`,
-//! `Scan`) are left as they are: an outer weight may be used inside them.
+//! Rewritten: a main-graph `MatMul(A, W)` whose `W` is an inline FLOAT initializer of
+//! shape `[K, N]` with `N >= MIN_COLUMNS` and at least `MIN_BYTES` (8 MiB), every use of
+//! which is such a MatMul, and whose `A` is known to have rank 2 (from the graph's declared
+//! inputs and value infos, carried through elementwise ops), in a model of opset
+//! `MIN_OPSET` or later. `Wᵀ` is stored under `W`'s name (see `Plan::rewrite_node` for the
+//! nodes). The sums are the same products over the same `K` in other kernels, so outputs
+//! agree to rounding, not bit for bit. A prepacked session is faster still, and packs
+//! nothing at run time either; the prepacked copy is made from the `.onnx`. Graphs with
+//! subgraphs (`If`, `Loop`, `Scan`) are left as they are: an outer weight may be used
+//! inside them (so a turned graph is never turned again).
 
 use std::collections::{HashMap, HashSet};
 
@@ -27,11 +31,12 @@ use crate::{
     proto::{put_bytes_field, put_varint_field, Fields},
 };
 
-/// Smaller weights gain less than they lose: one row is multiplied without packing
-/// either way, and turned it runs slower (measured on 2 cores, no prepacking: the 10 MiB
-/// MLP's 5 MiB matrices 1.58x slower on one row for 0.73-0.94x on 2-16 rows, and the mix
-/// benchmark runs that model one row at a time; the 100 MiB MLP's 50 MiB ones 1.19x
-/// slower on one row for 0.62-0.73x on 2-16).
+/// The default domain's version a model must import: the rewrite's `Gemm` has no bias.
+pub(crate) const MIN_OPSET: u64 = 11;
+/// Smaller weights gain less than they lose (measured on 2 cores, no prepacking: the 10 MiB
+/// MLP's 5 MiB matrices run one row 1.17x slower, the `If` and its shape ops costing
+/// ~0.05 ms, for 0.81-0.96x on 2-8 rows, and the mix benchmark runs that model one row at
+/// a time; the 100 MiB MLP's 50 MiB ones 0.82x on one row, 0.60-0.74x on 2-16).
 const MIN_BYTES: usize = 8 << 20;
 /// The transposed product has `N` rows to share among the threads; with few, the packed
 /// activations (`K x M`) could outweigh the weight they replace.
@@ -95,9 +100,45 @@ impl Node<'_> {
     }
 }
 
-/// A rewritten node's intermediate tensors: the transposed input and product.
-fn inner_names(output: &str) -> (String, String) {
-    (format!("{output}/snooze_transposed_input"), format!("{output}/snooze_transposed_product"))
+/// The tensors a rewritten MatMul's nodes add, named after its output.
+struct Names {
+    zero: String,
+    one: String,
+    shape: String,
+    rows: String,
+    single: String,
+    input_t: String,
+    product_t: String,
+    branch_out: String,
+}
+
+impl Names {
+    fn of(output: &str) -> Names {
+        let name = |what: &str| format!("{output}/snooze_turned_{what}");
+        Names {
+            zero: name("zero"),
+            one: name("one"),
+            shape: name("input_shape"),
+            rows: name("rows"),
+            single: name("one_row"),
+            input_t: name("input_t"),
+            product_t: name("product_t"),
+            branch_out: name("out"),
+        }
+    }
+
+    fn all(&self) -> [&str; 8] {
+        [
+            &self.zero,
+            &self.one,
+            &self.shape,
+            &self.rows,
+            &self.single,
+            &self.input_t,
+            &self.product_t,
+            &self.branch_out,
+        ]
+    }
 }
 
 impl Plan {
@@ -110,8 +151,12 @@ impl Plan {
         self.weights.get(name).copied()
     }
 
-    /// The nodes that replace `node` (a NodeProto), or `None` if it stays as it is.
-    pub(crate) fn rewrite_node(&self, node: &[u8]) -> Result<Option<[Vec<u8>; 3]>, String> {
+    /// The nodes that replace `node` (a NodeProto), or `None` if it stays as it is: for
+    /// `y = MatMul(A, W)`, `rows = Gather(Shape(A), [0])` and `y = If(rows == [1])`, whose
+    /// branches both read the one stored `Wᵀ`: one row, `Gemm(A, Wᵀ, transB = 1)` (MLAS's
+    /// one-row kernel for a transposed right-hand side: dot products along `Wᵀ`'s rows,
+    /// nothing packed); more, `Transpose(MatMul(Wᵀ, Transpose(A)))`.
+    pub(crate) fn rewrite_node(&self, node: &[u8]) -> Result<Option<Vec<Vec<u8>>>, String> {
         if self.is_empty() {
             return Ok(None);
         }
@@ -120,13 +165,36 @@ impl Plan {
             return Ok(None);
         }
         let (a, w, y) = (n.inputs[0], n.inputs[1], n.outputs[0]);
-        let (at, yt) = inner_names(y);
+        let t = Names::of(y);
         let named =
-            |suffix: &str| if n.name.is_empty() { String::new() } else { format!("{}{suffix}", n.name) };
-        Ok(Some([
-            encode_node(&named("/snooze_transpose_input"), "Transpose", &[a], &at, true),
-            encode_node(n.name, "MatMul", &[w, &at], &yt, false),
-            encode_node(&named("/snooze_transpose_product"), "Transpose", &[&yt], y, true),
+            |what: &str| if n.name.is_empty() { String::new() } else { format!("{}/snooze_{what}", n.name) };
+        let perm = attribute_ints("perm", &[1, 0]);
+        let out = &t.branch_out;
+        let one_row =
+            branch("one_row", &[encode_node("", "Gemm", &[a, w], out, &[attribute_int("transB", 1)])], out);
+        let rows = branch(
+            "rows",
+            &[
+                encode_node("", "Transpose", &[a], &t.input_t, std::slice::from_ref(&perm)),
+                encode_node("", "MatMul", &[w, &t.input_t], &t.product_t, &[]),
+                encode_node("", "Transpose", &[&t.product_t], out, &[perm]),
+            ],
+            out,
+        );
+        let constant = |value: i64| attribute_tensor("value", &int64_vector(value));
+        Ok(Some(vec![
+            encode_node(&named("zero"), "Constant", &[], &t.zero, &[constant(0)]),
+            encode_node(&named("one"), "Constant", &[], &t.one, &[constant(1)]),
+            encode_node(&named("shape"), "Shape", &[a], &t.shape, &[]),
+            encode_node(&named("rows"), "Gather", &[&t.shape, &t.zero], &t.rows, &[attribute_int("axis", 0)]),
+            encode_node(&named("one_row"), "Equal", &[&t.rows, &t.one], &t.single, &[]),
+            encode_node(
+                n.name,
+                "If",
+                &[&t.single],
+                y,
+                &[attribute_graph("then_branch", &one_row), attribute_graph("else_branch", &rows)],
+            ),
         ]))
     }
 }
@@ -180,10 +248,10 @@ pub(crate) fn plan(graph: &[u8]) -> Result<Plan, String> {
             }
             let counts = uses.entry(input).or_default();
             counts.0 += 1;
-            let turnable = i == 1 && n.is_matmul() && ranks.get(n.inputs[0]) == Some(&2) && {
-                let (at, yt) = inner_names(n.outputs[0]);
-                !names.contains(at.as_str()) && !names.contains(yt.as_str())
-            };
+            let turnable = i == 1
+                && n.is_matmul()
+                && ranks.get(n.inputs[0]) == Some(&2)
+                && !Names::of(n.outputs[0]).all().iter().any(|t| names.contains(t));
             counts.1 += usize::from(turnable);
         }
     }
@@ -272,8 +340,8 @@ fn initializer(buf: &[u8]) -> Result<Initializer<'_>, String> {
     Ok((name, dims.len(), candidate))
 }
 
-/// A NodeProto of the default domain; `perm`: with the attribute `perm = [1, 0]`.
-fn encode_node(name: &str, op: &str, inputs: &[&str], output: &str, perm: bool) -> Vec<u8> {
+/// A NodeProto of the default domain with its AttributeProtos, encoded.
+fn encode_node(name: &str, op: &str, inputs: &[&str], output: &str, attributes: &[Vec<u8>]) -> Vec<u8> {
     let mut out = Vec::new();
     for input in inputs {
         put_bytes_field(&mut out, 1, input.as_bytes());
@@ -283,15 +351,64 @@ fn encode_node(name: &str, op: &str, inputs: &[&str], output: &str, perm: bool) 
         put_bytes_field(&mut out, 3, name.as_bytes());
     }
     put_bytes_field(&mut out, 4, op.as_bytes());
-    if perm {
-        // AttributeProto: name = 1, ints = 8, type = 20 (INTS = 7).
-        let mut attr = Vec::new();
-        put_bytes_field(&mut attr, 1, b"perm");
-        put_varint_field(&mut attr, 8, 1);
-        put_varint_field(&mut attr, 8, 0);
-        put_varint_field(&mut attr, 20, 7);
-        put_bytes_field(&mut out, 5, &attr);
+    for attribute in attributes {
+        put_bytes_field(&mut out, 5, attribute);
     }
+    out
+}
+
+// AttributeProto: name = 1, i = 3, t = 5, g = 6, ints = 8, type = 20 (INT = 2,
+// TENSOR = 4, GRAPH = 5, INTS = 7).
+fn attribute(name: &str, kind: u64, value: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
+    let mut out = Vec::new();
+    put_bytes_field(&mut out, 1, name.as_bytes());
+    value(&mut out);
+    put_varint_field(&mut out, 20, kind);
+    out
+}
+
+fn attribute_int(name: &str, value: u64) -> Vec<u8> {
+    attribute(name, 2, |out| put_varint_field(out, 3, value))
+}
+
+fn attribute_ints(name: &str, values: &[u64]) -> Vec<u8> {
+    attribute(name, 7, |out| values.iter().for_each(|v| put_varint_field(out, 8, *v)))
+}
+
+fn attribute_tensor(name: &str, tensor: &[u8]) -> Vec<u8> {
+    attribute(name, 4, |out| put_bytes_field(out, 5, tensor))
+}
+
+fn attribute_graph(name: &str, graph: &[u8]) -> Vec<u8> {
+    attribute(name, 5, |out| put_bytes_field(out, 6, graph))
+}
+
+/// A TensorProto of one INT64 (dims = 1, data_type = 2: INT64 = 7, raw_data = 9).
+fn int64_vector(value: i64) -> Vec<u8> {
+    let mut out = Vec::new();
+    put_varint_field(&mut out, 1, 1);
+    put_varint_field(&mut out, 2, 7);
+    put_bytes_field(&mut out, 9, &value.to_le_bytes());
+    out
+}
+
+/// A GraphProto (node = 1, name = 2, output = 12) of `nodes` whose one output is the
+/// FLOAT tensor `output` (ValueInfoProto name = 1, type = 2; TypeProto.tensor_type = 1;
+/// elem_type = 1: FLOAT).
+fn branch(name: &str, nodes: &[Vec<u8>], output: &str) -> Vec<u8> {
+    let mut out = Vec::new();
+    for node in nodes {
+        put_bytes_field(&mut out, 1, node);
+    }
+    put_bytes_field(&mut out, 2, name.as_bytes());
+    let mut tensor_type = Vec::new();
+    put_varint_field(&mut tensor_type, 1, 1);
+    let mut type_proto = Vec::new();
+    put_bytes_field(&mut type_proto, 1, &tensor_type);
+    let mut info = Vec::new();
+    put_bytes_field(&mut info, 1, output.as_bytes());
+    put_bytes_field(&mut info, 2, &type_proto);
+    put_bytes_field(&mut out, 12, &info);
     out
 }
 
@@ -343,182 +460,4 @@ fn write_transposed_by(
 }
 
 #[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)]
-
-    use super::*;
-    use crate::proto::{bytes_field, varint_field, Value};
-
-    fn node(op: &str, inputs: &[&str], output: &str) -> Vec<u8> {
-        encode_node(&format!("{op}_{output}"), op, inputs, output, false)
-    }
-
-    /// A FLOAT initializer `[k, n]` with inline data.
-    fn weight(name: &str, k: usize, n: usize) -> Vec<u8> {
-        [
-            varint_field(1, k as u64),
-            varint_field(1, n as u64),
-            varint_field(2, 1),
-            bytes_field(8, name.as_bytes()),
-            bytes_field(9, &vec![0; k * n * 4]),
-        ]
-        .concat()
-    }
-
-    /// A graph input of rank `rank` (ValueInfoProto with a FLOAT tensor type), or of no
-    /// declared shape.
-    fn input(name: &str, rank: Option<usize>) -> Vec<u8> {
-        let shape = rank.map(|r| bytes_field(2, &vec![bytes_field(1, &varint_field(1, 256)); r].concat()));
-        let tensor = [varint_field(1, 1), shape.unwrap_or_default()].concat();
-        [bytes_field(1, name.as_bytes()), bytes_field(2, &bytes_field(1, &tensor))].concat()
-    }
-
-    /// x -> MatMul(W1 [256, 8192]) -> Add(B1) -> Relu -> MatMul(W2 [8192, 256]) = y, with
-    /// `extra` graph fields.
-    fn mlp(x_rank: Option<usize>, extra: &[Vec<u8>]) -> Vec<u8> {
-        let mut g = [
-            bytes_field(1, &node("MatMul", &["x", "W1"], "h0")),
-            bytes_field(1, &node("Add", &["h0", "B1"], "h1")),
-            bytes_field(1, &node("Relu", &["h1"], "h2")),
-            bytes_field(1, &node("MatMul", &["h2", "W2"], "y")),
-            bytes_field(5, &weight("W1", 256, 8192)),
-            bytes_field(
-                5,
-                &[
-                    varint_field(1, 8192),
-                    varint_field(2, 1),
-                    bytes_field(8, b"B1"),
-                    bytes_field(9, &[0; 32768]),
-                ]
-                .concat(),
-            ),
-            bytes_field(5, &weight("W2", 8192, 256)),
-            bytes_field(11, &input("x", x_rank)),
-        ]
-        .concat();
-        g.extend(extra.iter().flatten());
-        g
-    }
-
-    fn turned(plan: &Plan) -> Vec<(String, (usize, usize))> {
-        let mut w: Vec<_> = plan.weights.iter().map(|(k, v)| (k.clone(), *v)).collect();
-        w.sort();
-        w
-    }
-
-    #[test]
-    fn the_matmuls_of_a_rank_2_mlp_are_turned_and_their_weights_stored_transposed() {
-        let plan = plan(&mlp(Some(2), &[])).unwrap();
-        assert_eq!(turned(&plan), [("W1".to_owned(), (256, 8192)), ("W2".to_owned(), (8192, 256))]);
-        let nodes = plan.rewrite_node(&node("MatMul", &["h2", "W2"], "y")).unwrap().unwrap();
-        let parsed: Vec<_> = nodes.iter().map(|n| parse_node(n).unwrap()).collect();
-        let at = "y/snooze_transposed_input";
-        let yt = "y/snooze_transposed_product";
-        let shape: Vec<_> = parsed.iter().map(|n| (n.op, n.inputs.clone(), n.outputs.clone())).collect();
-        assert_eq!(
-            shape,
-            [
-                ("Transpose", vec!["h2"], vec![at]),
-                ("MatMul", vec!["W2", at], vec![yt]),
-                ("Transpose", vec![yt], vec!["y"]),
-            ]
-        );
-        assert_eq!(parsed[1].name, "MatMul_y", "the MatMul keeps its name");
-        // perm = [1, 0] on both transposes: AttributeProto name = 1, ints = 8, type = 20.
-        for n in [&nodes[0], &nodes[2]] {
-            let attr = Fields::new(n).map(Result::unwrap).find(|(f, _)| *f == 5).unwrap().1;
-            let fields: Vec<_> = Fields::new(attr.bytes(5).unwrap()).map(Result::unwrap).collect();
-            assert_eq!(
-                fields,
-                [
-                    (1, Value::Bytes(b"perm")),
-                    (8, Value::Varint(1)),
-                    (8, Value::Varint(0)),
-                    (20, Value::Varint(7))
-                ]
-            );
-        }
-        assert!(plan.rewrite_node(&node("Add", &["h0", "B1"], "h1")).unwrap().is_none());
-    }
-
-    #[test]
-    fn only_what_is_known_to_be_safe_is_turned() {
-        let none = |g: &[u8]| plan(g).unwrap().is_empty();
-        assert!(none(&mlp(Some(3), &[])), "a rank-3 input (a transformer's tokens)");
-        assert!(none(&mlp(None, &[])), "an input of unknown rank");
-        // A weight also used by another op: it must stay as it is, and so do its MatMuls.
-        let shared = plan(&mlp(Some(2), &[bytes_field(1, &node("Identity", &["W1"], "w1_copy"))])).unwrap();
-        assert_eq!(turned(&shared), [("W2".to_owned(), (8192, 256))]);
-        // A weight that is also a graph output, or an input (an overridable constant).
-        let output = plan(&mlp(Some(2), &[bytes_field(12, &input("W2", Some(2)))])).unwrap();
-        assert_eq!(turned(&output), [("W1".to_owned(), (256, 8192))]);
-        // A subgraph anywhere (an If's branch may use an outer weight): nothing.
-        let branch = bytes_field(5, &[bytes_field(1, b"then_branch"), bytes_field(6, b"")].concat());
-        let with_if = [node("If", &["cond"], "out"), branch].concat();
-        assert!(none(&mlp(Some(2), &[bytes_field(1, &with_if)])));
-        // A name the rewrite would give already taken: that MatMul stays.
-        let taken =
-            plan(&mlp(Some(2), &[bytes_field(1, &node("Relu", &["y"], "y/snooze_transposed_product"))]))
-                .unwrap();
-        assert_eq!(turned(&taken), [("W1".to_owned(), (256, 8192))]);
-    }
-
-    #[test]
-    fn small_narrow_external_or_non_float_weights_stay() {
-        let graph = |w: Vec<u8>| {
-            [
-                bytes_field(1, &node("MatMul", &["x", "W"], "y")),
-                bytes_field(5, &w),
-                bytes_field(11, &input("x", Some(2))),
-            ]
-            .concat()
-        };
-        assert!(
-            !plan(&graph(weight("W", 256, 8192))).unwrap().is_empty(),
-            "the control: 8 MiB, 8192 columns"
-        );
-        assert!(plan(&graph(weight("W", 256, 4096))).unwrap().is_empty(), "4 MiB: gains less than it loses");
-        assert!(plan(&graph(weight("W", 32768, 128))).unwrap().is_empty(), "128 columns");
-        let mut double = weight("W", 256, 8192);
-        double.extend(varint_field(2, 11));
-        assert!(plan(&graph(double)).unwrap().is_empty(), "DOUBLE");
-        let short = [
-            varint_field(1, 256),
-            varint_field(1, 8192),
-            varint_field(2, 1),
-            bytes_field(8, b"W"),
-            bytes_field(9, &[0; 4096]),
-        ]
-        .concat();
-        assert!(plan(&graph(short)).unwrap().is_empty(), "data shorter than its shape");
-        let mut external = weight("W", 256, 8192);
-        external.extend(varint_field(14, 1));
-        assert!(plan(&graph(external)).unwrap().is_empty(), "external data");
-        // Dims written packed, as some exporters do: read the same.
-        let packed = [
-            bytes_field(1, &[0x80, 0x02, 0x80, 0x40]),
-            varint_field(2, 1),
-            bytes_field(8, b"W"),
-            bytes_field(9, &vec![0; 8 << 20]),
-        ]
-        .concat();
-        assert_eq!(turned(&plan(&graph(packed)).unwrap()), [("W".to_owned(), (256, 8192))]);
-        assert!(plan(&[0x0a, 0x05, 1]).is_err(), "a graph cut short is an error");
-    }
-
-    #[test]
-    fn a_matrix_is_written_transposed_a_chunk_at_a_time() {
-        let (k, n) = (3, 5);
-        let m: Vec<u32> = (0..(k * n) as u32).collect();
-        let bytes: Vec<u8> = m.iter().flat_map(|v| v.to_le_bytes()).collect();
-        for chunk in [1, 12, 24, 1 << 20] {
-            let mut out = Vec::new();
-            write_transposed_by(&mut out, &bytes, k, n, chunk).unwrap();
-            let t: Vec<u32> =
-                out.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
-            let m = &m;
-            let want: Vec<u32> = (0..n).flat_map(|j| (0..k).map(move |i| m[i * n + j])).collect();
-            assert_eq!(t, want, "chunk {chunk}");
-        }
-    }
-}
+mod tests;

@@ -22,7 +22,8 @@ fn floats(out: &[Tensor]) -> Vec<f32> {
     }
 }
 
-/// The model's reference row and an 8-row batch of it, scaled row by row.
+/// The model's reference rows, an 8-row batch of its first, scaled row by row, and that
+/// row alone (a turned model runs one row and several by different branches).
 fn inputs() -> Vec<Vec<Tensor>> {
     let text = std::fs::read_to_string(model("mlp-100m-1").join("reference.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -31,9 +32,11 @@ fn inputs() -> Vec<Vec<Tensor>> {
     let rows = x.len() / 256;
     let eight: Vec<f32> =
         (0..8).flat_map(|r| x[..256].iter().map(move |f| f * (1.0 + r as f32 / 8.0))).collect();
+    let first = x[..256].to_vec();
     vec![
         vec![Tensor::new("x", vec![rows as i64, 256], TensorData::Fp32(x))],
         vec![Tensor::new("x", vec![8, 256], TensorData::Fp32(eight))],
+        vec![Tensor::new("x", vec![1, 256], TensorData::Fp32(first))],
     ]
 }
 
