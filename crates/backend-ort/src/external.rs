@@ -14,7 +14,7 @@
 //! graph's skeleton is rewritten (a few KiB) and each weight's bytes go from file to
 //! file in the kernel (`copy_file_range`), so the copy holds no private memory and
 //! takes ~30-40 ms for 100 MiB in the page cache (weights turned around, below, are
-//! written transposed through a 4 MiB buffer: ~160 ms for the 100 MiB MLP). That makes
+//! written transposed through a 4 MiB buffer: 160-350 ms for the 100 MiB MLP). That makes
 //! it cheap enough for the first load to make, and the one-time conversion to the ORT
 //! format starts from it: measured on the 100 MiB MLP, it peaks at +160 MiB from it
 //! instead of +260 MiB from the `.onnx`, and finishes sooner (426 instead of 646 ms).
@@ -81,11 +81,22 @@ pub(crate) fn would_transpose(onnx: &Path) -> bool {
     let Ok(file) = File::open(onnx) else { return false };
     // SAFETY: as in `copy`: read-only, dropped before returning.
     let Ok(map) = (unsafe { memmap2::Mmap::map(&file) }) else { return false };
-    let graphs = Fields::new(&map).filter_map(|f| match f {
+    !plan_of(&map).is_empty()
+}
+
+/// What to turn around in the model `buf` (ModelProto: graph = 7): nothing in a model of
+/// an opset before `transpose::MIN_OPSET` (the rewrite's Gemm has no bias), nor in a
+/// graph the plan cannot read (turning is an optimisation; ONNX Runtime judges the graph
+/// when it loads it).
+fn plan_of(buf: &[u8]) -> Plan {
+    if default_opset(buf).is_none_or(|v| v < transpose::MIN_OPSET) {
+        return Plan::default();
+    }
+    let graph = Fields::new(buf).find_map(|f| match f {
         Ok((7, Value::Bytes(graph))) => Some(graph),
         _ => None,
     });
-    graphs.take(1).any(|graph| transpose::plan(graph).is_ok_and(|p| !p.is_empty()))
+    graph.and_then(|g| transpose::plan(g).ok()).unwrap_or_default()
 }
 
 /// The mapped copy of `onnx` in `dir`, made now if it is not there yet (written beside
@@ -180,18 +191,12 @@ fn write_copy(file: &File, map: &[u8], tmp: &Path) -> Result<bool, String> {
 pub(crate) fn rewrite(buf: &[u8], place: &mut Place<'_>) -> Result<Option<Rewritten>, String> {
     let mut out = Vec::new();
     let (mut moved, mut transposed) = (0usize, 0usize);
-    // The rewrite's Gemm without a bias needs opset 11 of the default domain.
-    let turnable = default_opset(buf).is_some_and(|v| v >= transpose::MIN_OPSET);
+    let plan = plan_of(buf);
     for field in RawFields::new(buf) {
         match field? {
             (7, graph, _) => {
-                let graph = graph.bytes(7)?;
-                // A graph the plan cannot read is copied as it is: turning is an
-                // optimisation, and ONNX Runtime judges the graph when it loads it.
-                let plan =
-                    if turnable { transpose::plan(graph).unwrap_or_default() } else { Plan::default() };
                 let mut g = Vec::new();
-                for field in RawFields::new(graph) {
+                for field in RawFields::new(graph.bytes(7)?) {
                     match field? {
                         (1, node, raw) => match plan.rewrite_node(node.bytes(1)?)? {
                             Some(nodes) => nodes.iter().for_each(|n| put_bytes_field(&mut g, 1, n)),
