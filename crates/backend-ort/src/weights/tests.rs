@@ -11,6 +11,13 @@ fn scratch(tag: &str) -> (PathBuf, PathBuf) {
     (dir, cache)
 }
 
+/// Asserts that every path in `paths` exists (`true`) or does not (`false`).
+fn assert_exist<'a>(paths: impl IntoIterator<Item = &'a PathBuf>, exist: bool, why: &str) {
+    for path in paths {
+        assert_eq!(path.exists(), exist, "{} {why}", path.display());
+    }
+}
+
 /// The three entries `onnx` can have in `cache`, as files and folders of some bytes.
 fn entries(onnx: &Path, cache: &Path, runtime: &Path) -> [PathBuf; 3] {
     entries_named(&cache_stem(onnx, runtime), cache)
@@ -56,17 +63,15 @@ fn collecting_removes_the_copies_of_a_replaced_model_version_and_nothing_else() 
     std::fs::remove_file(&gone).unwrap();
 
     collect_replaced(&cache);
-    for path in replaced_entries.iter().chain(&kept_entries).chain([&source]) {
-        assert!(path.exists(), "{} removed while its file version is current", path.display());
-    }
+    assert_exist(
+        replaced_entries.iter().chain(&kept_entries).chain([&source]),
+        true,
+        "removed while current",
+    );
     std::fs::write(&replaced, b"version 2, a new size").unwrap();
     collect_replaced(&cache);
-    for path in replaced_entries.iter().chain([&source]) {
-        assert!(!path.exists(), "{} of a replaced version kept", path.display());
-    }
-    for path in &kept_entries {
-        assert!(path.exists(), "{} removed", path.display());
-    }
+    assert_exist(replaced_entries.iter().chain([&source]), false, "of a replaced version kept");
+    assert_exist(&kept_entries, true, "removed");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -85,12 +90,8 @@ fn the_copies_of_an_earlier_form_go_and_those_of_this_one_stay() {
     let path = std::path::absolute(&onnx).unwrap();
     std::fs::write(&old_source, format!("{}\n{}\n", path.display(), model_fingerprint(&onnx))).unwrap();
     collect_replaced(&cache);
-    for path in earlier.iter().chain([&old_source]) {
-        assert!(!path.exists(), "{} of an earlier form kept", path.display());
-    }
-    for path in &current {
-        assert!(path.exists(), "{} of this form removed", path.display());
-    }
+    assert_exist(earlier.iter().chain([&old_source]), false, "of an earlier form kept");
+    assert_exist(&current, true, "of this form removed");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
