@@ -154,18 +154,17 @@ fn write_copy(file: &File, map: &[u8], tmp: &Path) -> Result<bool, String> {
         let at = end.next_multiple_of(ALIGN);
         // The gap is a hole (zeros); the bytes go from file to file in the kernel.
         data.seek(SeekFrom::Start(at)).map_err(|e| e.to_string())?;
+        let len = bytes.len() as u64;
         if let Some((k, n)) = transposed {
             transpose::write_transposed(&mut data, bytes, k, n).map_err(|e| e.to_string())?;
-            end = at + bytes.len() as u64;
-            return Ok(at);
-        }
-        let mut src = file;
-        src.seek(SeekFrom::Start(from)).map_err(|e| e.to_string())?;
-        let len = bytes.len() as u64;
-        let copied =
-            std::io::copy(&mut std::io::Read::take(src, len), &mut data).map_err(|e| e.to_string())?;
-        if copied != len {
-            return Err(format!("the model file changed while it was copied ({copied} of {len} bytes)"));
+        } else {
+            let mut src = file;
+            src.seek(SeekFrom::Start(from)).map_err(|e| e.to_string())?;
+            let copied =
+                std::io::copy(&mut std::io::Read::take(src, len), &mut data).map_err(|e| e.to_string())?;
+            if copied != len {
+                return Err(format!("the model file changed while it was copied ({copied} of {len} bytes)"));
+            }
         }
         end = at + len;
         Ok(at)

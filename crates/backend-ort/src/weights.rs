@@ -29,8 +29,8 @@
 //! `transpose`): that one starts from the `.onnx`.
 //!
 //! The cache (`state_dir/ort-cache/`) is keyed by the model files' fingerprint, the
-//! runtime library and the copies' form (`FORM_LINE`); the user's files are never touched. A conversion that fails is an
-//! error naming the file and the reason.
+//! runtime library and the copies' form (`FORM_LINE`); the user's files are never
+//! touched. A conversion that fails is an error naming the file and the reason.
 
 use std::{
     collections::hash_map::DefaultHasher,
@@ -340,7 +340,11 @@ fn collect_replaced(cache_dir: &Path) {
             }
         }
         let _ = std::fs::remove_file(&source);
-        tracing::info!(model = %file.display(), entries = ?removed, stem, "removed the cached copies of a replaced version of the model");
+        if current_form {
+            tracing::info!(model = %file.display(), entries = ?removed, stem, "removed the cached copies of a replaced version of the model");
+        } else {
+            tracing::info!(model = %file.display(), entries = ?removed, stem, "removed cached copies of an earlier form (made again as needed)");
+        }
     }
 }
 
