@@ -40,6 +40,9 @@ pub enum EventKind {
     /// A one-time preparation (a converted copy) was made in the background; `reason`
     /// names the form it is for.
     Prepared,
+    /// A one-time preparation was stopped because a load needed its memory; it runs
+    /// again later. `reason` names the form it is for.
+    PrepareStopped,
     /// Left memory; `reason` says why (evicted, idle, requested, pressure, shutdown, failed).
     Unloaded,
     /// A request was refused; `reason` is the error code.

@@ -9,9 +9,11 @@
 //! still accounted by the scheduler while it runs, and a memory cgroup sees it as ours.
 
 use std::{
+    io::Read,
     os::unix::process::CommandExt,
     path::{Path, PathBuf},
-    process::{Command, Stdio},
+    process::{Child, Command, Stdio},
+    sync::{Arc, Mutex},
 };
 
 use snooze_core::{Backend, LoadError, LoadSpec, Preparer};
@@ -22,12 +24,19 @@ pub struct ChildPreparer {
     exe: PathBuf,
     state_dir: PathBuf,
     intra_op_threads: usize,
+    /// The child at work, while it runs: `stop` kills it (a load needs its memory).
+    running: Arc<Mutex<Option<Child>>>,
 }
 
 impl ChildPreparer {
     pub fn new(state_dir: &Path, intra_op_threads: usize) -> Result<ChildPreparer, String> {
         let exe = std::env::current_exe().map_err(|e| format!("cannot find the snooze executable: {e}"))?;
-        Ok(ChildPreparer { exe, state_dir: state_dir.to_path_buf(), intra_op_threads })
+        Ok(ChildPreparer {
+            exe,
+            state_dir: state_dir.to_path_buf(),
+            intra_op_threads,
+            running: Arc::default(),
+        })
     }
 }
 
@@ -43,7 +52,7 @@ impl Preparer for ChildPreparer {
                 Ok(())
             });
         }
-        let child = command
+        let mut child = command
             .arg("prepare-model")
             .args(["--backend", backend.name(), "--weights", spec.weights.as_str()])
             .arg("--path")
@@ -62,11 +71,22 @@ impl Preparer for ChildPreparer {
         let low = snooze_core::memory::low_priority_nice();
         // SAFETY: setpriority on our own child's pid changes only its nice value.
         unsafe { libc::setpriority(libc::PRIO_PROCESS, child.id() as libc::id_t, low) };
-        let out = child
-            .wait_with_output()
-            .map_err(|e| LoadError::Failed(format!("prepare-model for '{}' was lost: {e}", spec.name)))?;
-        let err = String::from_utf8_lossy(&out.stderr);
-        if out.status.success() {
+        let stderr = child.stderr.take();
+        *self.lock() = Some(child);
+        // Its messages until it exits (or is killed by `stop`), then its status; the
+        // child stays where `stop` finds it until it is reaped, so a kill never reaches
+        // a pid the system gave to another process.
+        let mut err = Vec::new();
+        let read = stderr.map_or(Ok(0), |mut e| e.read_to_end(&mut err));
+        let status = self.lock().take().map(|mut c| c.wait());
+        let lost = |e: String| LoadError::Failed(format!("prepare-model for '{}' was lost: {e}", spec.name));
+        read.map_err(|e| lost(e.to_string()))?;
+        let status = match status {
+            Some(status) => status.map_err(|e| lost(e.to_string()))?,
+            None => return Err(lost("its process is gone".into())),
+        };
+        let err = String::from_utf8_lossy(&err);
+        if status.success() {
             // What the child did to the cache (copies made, a stopped process's leftovers
             // removed) belongs in the server's log, not in a dropped pipe.
             for line in err.lines().map(str::trim).filter(|l| !l.is_empty()) {
@@ -75,10 +95,23 @@ impl Preparer for ChildPreparer {
             return Ok(());
         }
         let why = err.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no message").trim().to_string();
-        Err(LoadError::Failed(format!("preparing model '{}' failed ({}): {why}", spec.name, out.status)))
+        Err(LoadError::Failed(format!("preparing model '{}' failed ({status}): {why}", spec.name)))
     }
 
     fn in_process(&self) -> bool {
         false
+    }
+
+    fn stop(&self) -> bool {
+        match self.lock().as_mut() {
+            Some(child) => child.kill().is_ok(),
+            None => false,
+        }
+    }
+}
+
+impl ChildPreparer {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Child>> {
+        self.running.lock().unwrap_or_else(|p| p.into_inner())
     }
 }

@@ -220,6 +220,9 @@ pub enum Action {
     /// Do the model's one-time preparation for `weights` in the background (lowest
     /// priority), then send `PrepareFinished`.
     StartPrepare { model: ModelId, weights: Weights },
+    /// Stop the model's preparation in progress, if the preparer can (a load needs the
+    /// memory it holds); its `PrepareFinished` follows either way.
+    StopPrepare { model: ModelId },
     /// Drop the model, trim the heap, then send `UnloadFinished`.
     StartUnload { model: ModelId, device: Device, reason: UnloadReason, bytes: u64 },
     /// Run these requests as one batch, in micro-batches of at most `max_rows` rows,
@@ -251,8 +254,11 @@ pub struct Scheduler {
     /// Dispatched requests: what they were, in case an out-of-memory retry requeues them.
     in_flight: HashMap<RequestId, (ModelId, Priority, Queued)>,
     running: u32,
-    /// The preparation in progress and the bytes it holds at its peak.
-    preparing: Option<(ModelId, u64)>,
+    /// The preparation in progress.
+    preparing: Option<prepare::Preparing>,
+    /// Background preparations stopped for a load in a row, and the instant before which
+    /// a quiet host starts none (see `prepare`).
+    prepare_stops: (u32, Option<Instant>),
     collections: Vec<Collection>,
     shutting_down: bool,
     pressure: PressureLevel,
@@ -273,6 +279,7 @@ impl Scheduler {
             in_flight: HashMap::new(),
             running: 0,
             preparing: None,
+            prepare_stops: (0, None),
             collections: Vec::new(),
             shutting_down: false,
             pressure: PressureLevel::Normal,

@@ -48,6 +48,8 @@ pub(super) enum Wait {
     Until(Instant),
     /// A run, a load or the memory picture must change first.
     Events,
+    /// The memory the background preparation holds: it is stopped for the load.
+    Preparation,
 }
 
 /// How a resident model stands as an eviction candidate.
@@ -172,6 +174,7 @@ impl Scheduler {
                         Wait::Drain(models) => models.into_iter().for_each(|m| self.slots[m].draining = true),
                         Wait::Until(t) => self.wake_by(t),
                         Wait::Events => {}
+                        Wait::Preparation => self.stop_preparation(),
                     }
                     return false;
                 }
@@ -423,6 +426,12 @@ impl Scheduler {
                 Standing::Running | Standing::Owed => {}
                 Standing::Until(t) => until = Some(until.map_or(t, |u| u.min(t))),
             }
+        }
+        // One-time work never keeps a request waiting: a quiet host's preparation is
+        // stopped rather than a busy model drained or the load delayed.
+        let yielding = self.yielding_bytes(device);
+        if yielding > 0 && room.fits(freed + yielding, chosen.len()) {
+            return Plan::Wait(Wait::Preparation);
         }
         if !drain.is_empty() && room.fits(freed + drain_bytes, chosen.len() + drain.len()) {
             // Start freeing what is idle now; the busy ones stop taking work meanwhile.

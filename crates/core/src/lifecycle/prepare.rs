@@ -23,10 +23,18 @@
 //!   model from loading for as long as it is made (measured: 300 MiB cold, p99 1.0 s with
 //!   the copies made at once, against 73 ms once made): its copy waits for a quiet host.
 //!
-//! A model asked for meanwhile loads at once in the form that needs nothing. A copy whose
+//! A model asked for meanwhile loads at once in the form that needs nothing; if the
+//! memory a quiet host's preparation holds is what keeps that load from fitting, the
+//! preparation is stopped (its child process killed: a request never waits for one-time
+//! work), and quiet-host preparations start again only after [`STOP_BACKOFF`], doubled at
+//! each stop in a row up to [`MAX_STOP_BACKOFF`], so that sparse traffic does not stop
+//! the same conversion over and over. A churning model's preparation is not stopped: it
+//! exists because each of that model's loads is slow. A copy whose
 //! peak cannot fit even with every idle model gone (a 300 MiB budget and a 100 MB model)
 //! is never made by the server: the model is served from its `.onnx`, and `snooze
 //! prepare` makes the copy ahead of time.
+
+use std::time::Duration;
 
 use crate::{
     backend::{Device, Weights},
@@ -38,6 +46,23 @@ use super::{Action, ModelId, Scheduler, SlotState};
 /// Loads without its copy after which a model's preparation no longer waits for a quiet
 /// host: it has been swapped back in, so it will be again.
 pub const CHURN_LOADS: u64 = 2;
+
+/// How long quiet-host preparations wait after one was stopped for a load ...
+pub const STOP_BACKOFF: Duration = Duration::from_secs(1);
+/// ... doubled at each stop in a row, up to this.
+pub const MAX_STOP_BACKOFF: Duration = Duration::from_secs(64);
+
+/// The preparation in progress.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Preparing {
+    model: ModelId,
+    /// The bytes it holds at its peak (host memory).
+    peak: u64,
+    /// Started on a quiet host: a load that needs its memory stops it.
+    yields: bool,
+    /// Asked to stop: its bytes count until it has.
+    stopping: bool,
+}
 
 /// A preparation still to do for a model: the form it is for and its peak in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,6 +81,8 @@ pub enum Prepared {
     Done { steady: Option<u64>, peak: Option<u64> },
     /// It failed: the model keeps loading without it, and it is not tried again.
     Failed(String),
+    /// It was stopped for a load (`Action::StopPrepare`): it runs again later.
+    Stopped,
 }
 
 impl Scheduler {
@@ -100,8 +127,13 @@ impl Scheduler {
             return;
         }
         let busy = self.slots.iter().any(|s| s.busy_on(&cpu));
-        let quiet =
-            !busy && !self.slots.iter().any(|s| matches!(s.state, SlotState::Unloaded) && s.wants_load());
+        let held_back = self.prepare_stops.1.filter(|&t| self.now < t);
+        let quiet = !busy
+            && held_back.is_none()
+            && !self.slots.iter().any(|s| matches!(s.state, SlotState::Unloaded) && s.wants_load());
+        if let Some(t) = held_back {
+            self.wake_by(t);
+        }
         let free = self.budget(&cpu).saturating_sub(self.accounted(&cpu)).min(self.probe_free(&cpu));
         // Models asked for most recently first: their next load is the likeliest.
         let mut order: Vec<ModelId> = (0..self.slots.len()).collect();
@@ -116,7 +148,7 @@ impl Scheduler {
                 return None;
             }
             if need <= free {
-                return Some((id, p, Vec::new()));
+                return Some((id, p, churns, Vec::new()));
             }
             if !churns || busy {
                 return None;
@@ -127,9 +159,9 @@ impl Scheduler {
             let bytes = |v: ModelId| self.slots[v].resident_bytes();
             let victims = Self::cover(idle, need - free, bytes);
             let freed: u64 = victims.iter().map(|&v| bytes(v)).sum();
-            (need <= free.saturating_add(freed)).then_some((id, p, victims))
+            (need <= free.saturating_add(freed)).then_some((id, p, churns, victims))
         });
-        let Some((model, p, victims)) = next else { return };
+        let Some((model, p, churns, victims)) = next else { return };
         tracing::debug!(
             model = self.slots[model].name(),
             weights = p.weights.as_str(),
@@ -142,12 +174,33 @@ impl Scheduler {
             self.slots[v].evicted_at = Some(self.now);
             self.begin_unload(v, super::UnloadReason::Evicted);
         }
-        self.preparing = Some((model, p.peak));
+        self.preparing = Some(Preparing { model, peak: p.peak, yields: !churns, stopping: false });
         self.push(Action::StartPrepare { model, weights: p.weights });
     }
 
+    /// Bytes a load on `device` would have once the preparation in progress stopped:
+    /// its peak if it yields to loads (a quiet host's), else 0.
+    pub(super) fn yielding_bytes(&self, device: &Device) -> u64 {
+        match (device, self.preparing) {
+            (Device::Cpu, Some(p)) if p.yields => p.peak,
+            _ => 0,
+        }
+    }
+
+    /// Asks the preparation in progress to stop for a load, once.
+    pub(super) fn stop_preparation(&mut self) {
+        let Some(p) = self.preparing.as_mut().filter(|p| p.yields && !p.stopping) else { return };
+        p.stopping = true;
+        let model = p.model;
+        tracing::debug!(
+            model = self.slots[model].name(),
+            "stopping the background preparation: a load needs its memory"
+        );
+        self.push(Action::StopPrepare { model });
+    }
+
     pub(super) fn on_prepare_finished(&mut self, model: ModelId, weights: Weights, result: Prepared) {
-        if self.preparing.is_some_and(|(m, _)| m == model) {
+        if self.preparing.is_some_and(|p| p.model == model) {
             self.preparing = None;
         }
         let s = &mut self.slots[model];
@@ -158,6 +211,15 @@ impl Scheduler {
                     s.policy.estimate_steady = steady;
                     s.policy.estimate_peak = peak;
                 }
+                self.prepare_stops = (0, None);
+            }
+            Prepared::Stopped => {
+                // Not a failure: it runs again on a quiet host, after a pause that grows
+                // with each stop in a row.
+                let stops = self.prepare_stops.0.saturating_add(1);
+                let pause = STOP_BACKOFF.saturating_mul(1 << (stops - 1).min(6)).min(MAX_STOP_BACKOFF);
+                tracing::info!(model = %s.policy.name, weights = weights.as_str(), again_in_s = pause.as_secs(), "background preparation stopped: a load needed its memory");
+                self.prepare_stops = (stops, Some(self.now + pause));
             }
             Prepared::Failed(why) => {
                 tracing::warn!(model = %s.policy.name, weights = weights.as_str(), error = %why, "preparation failed: the model keeps loading without it");
@@ -170,7 +232,7 @@ impl Scheduler {
     /// Bytes held by the preparation in progress (host memory).
     pub(super) fn preparing_bytes(&self, device: &Device) -> u64 {
         match (device, self.preparing) {
-            (Device::Cpu, Some((_, bytes))) => bytes,
+            (Device::Cpu, Some(p)) => p.peak,
             _ => 0,
         }
     }

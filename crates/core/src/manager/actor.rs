@@ -55,6 +55,8 @@ pub(super) struct Actor {
     pub(super) thresholds: Thresholds,
     pub(super) check_interval: Duration,
     pub(super) preparer: Arc<dyn crate::backend::Preparer>,
+    /// The model whose preparation the preparer was asked to stop, until it ends.
+    pub(super) stop_asked: Option<ModelId>,
 }
 
 enum Wake {
@@ -325,10 +327,19 @@ impl Actor {
                 });
                 Event::PromoteFinished { model, result }
             }
-            Command::PrepareDone { model, weights, result } => {
-                if let Prepared::Done { .. } = &result {
-                    let name = self.scheduler.slot(model).policy.name.clone();
-                    self.events.record(&name, EventKind::Prepared, weights.as_str(), None);
+            Command::PrepareDone { model, weights, mut result } => {
+                let name = self.scheduler.slot(model).policy.name.clone();
+                if self.stop_asked.take() == Some(model) && matches!(result, Prepared::Failed(_)) {
+                    result = Prepared::Stopped;
+                }
+                match &result {
+                    Prepared::Done { .. } => {
+                        self.events.record(&name, EventKind::Prepared, weights.as_str(), None)
+                    }
+                    Prepared::Stopped => {
+                        self.events.record(&name, EventKind::PrepareStopped, weights.as_str(), None)
+                    }
+                    Prepared::Failed(_) => {}
                 }
                 self.refresh_probe();
                 Event::PrepareFinished { model, weights, result }
@@ -447,6 +458,11 @@ impl Actor {
                 Action::StartLoad { model, device } => self.start_load(model, device, false),
                 Action::StartPromote { model, device } => self.start_load(model, device, true),
                 Action::StartPrepare { model, weights } => self.start_prepare(model, weights),
+                Action::StopPrepare { model } => {
+                    if self.preparer.stop() {
+                        self.stop_asked = Some(model);
+                    }
+                }
                 Action::StartUnload { model, device, reason, bytes } => {
                     self.start_unload(model, device, reason, bytes)
                 }

@@ -285,6 +285,7 @@ impl ModelManager {
             thresholds: config.thresholds,
             check_interval: config.check_interval,
             preparer: config.preparer,
+            stop_asked: None,
         };
         tokio::spawn(actor.run());
         let manager = ModelManager {

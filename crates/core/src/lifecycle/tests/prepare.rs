@@ -239,3 +239,93 @@ fn a_churning_model_that_reloads_quickly_gets_its_copy_only_on_a_quiet_host() {
     let a = h.settle(a);
     assert_eq!(prepares(&a), [h.id("a")], "quiet and room: made");
 }
+
+fn stops(actions: &[Action]) -> Vec<ModelId> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::StopPrepare { model } => Some(*model),
+            _ => None,
+        })
+        .collect()
+}
+
+fn stopped(h: &mut Harness, name: &str) -> Vec<Action> {
+    let a = h.feed(Event::PrepareFinished {
+        model: h.id(name),
+        weights: Weights::Mapped,
+        result: Prepared::Stopped,
+    });
+    h.settle(a)
+}
+
+#[test]
+fn a_request_stops_a_quiet_host_s_conversion_that_holds_the_memory_its_load_needs() {
+    // The fresh start at a byte budget: the idle server converts `b`, holding 300
+    // of 400 MB, when a request for `a` (150 MB) comes. It must not wait the conversion out.
+    let mut h = Harness::new(400, &[("a", 150), ("b", 150)]);
+    prepare(&mut h, "b", 300);
+    assert_eq!(prepares(&h.tick()), [h.id("b")]);
+    let (req, a) = h.submit("a");
+    let a = h.settle(a);
+    assert_eq!(stops(&a), [h.id("b")], "the conversion is stopped for the load");
+    assert!(h.loads().is_empty(), "its bytes count until it has stopped");
+    assert!(stops(&h.tick()).is_empty(), "asked once");
+    stopped(&mut h, "b");
+    assert_eq!(h.outcome(req), Some(Ok(())), "served once the memory is back");
+    assert_eq!(h.s.accounted(&Device::Cpu), 150 * MB);
+    h.finish(req);
+    // Not a failure: it runs again on a quiet host, after a pause that doubles with each
+    // stop in a row.
+    let a = gc(&mut h);
+    h.settle(a);
+    h.at(0.9);
+    assert!(prepares(&h.tick()).is_empty(), "1 s after the first stop");
+    h.at(1.1);
+    assert_eq!(prepares(&h.tick()), [h.id("b")]);
+    let (req, a) = h.submit("a");
+    assert_eq!(stops(&h.settle(a)), [h.id("b")]);
+    stopped(&mut h, "b");
+    h.finish(req);
+    let a = gc(&mut h);
+    h.settle(a);
+    h.at(3.0);
+    assert!(prepares(&h.tick()).is_empty(), "2 s after the second");
+    h.at(3.2);
+    assert_eq!(prepares(&h.tick()), [h.id("b")]);
+    h.feed(Event::PrepareFinished {
+        model: h.id("b"),
+        weights: Weights::Mapped,
+        result: Prepared::Done { steady: None, peak: None },
+    });
+    assert!(h.s.is_prepared(h.id("b"), Weights::Mapped));
+    assert_eq!(h.s.slot(h.id("b")).last_error, None, "a stop is no failure");
+}
+
+#[test]
+fn a_conversion_is_not_stopped_where_evicting_an_idle_model_makes_room() {
+    let mut h = Harness::new(500, &[("a", 150), ("b", 150), ("c", 150)]);
+    h.call("a").unwrap();
+    prepare(&mut h, "b", 300);
+    assert_eq!(prepares(&h.tick()), [h.id("b")]);
+    let (req, a) = h.submit("c");
+    let a = h.settle(a);
+    assert!(stops(&a).is_empty(), "{a:?}");
+    assert_eq!(h.evictions(), ["a"]);
+    assert_eq!(h.outcome(req), Some(Ok(())));
+    h.finish(req);
+}
+
+#[test]
+fn a_churning_model_s_conversion_is_not_stopped_for_a_load() {
+    // It is made under traffic because each of that model's loads is slow: stopping it
+    // would bring back the slow loads it exists to end.
+    let mut h = two_churning_models();
+    prepare(&mut h, "a", 250);
+    let a = h.tick();
+    h.settle(a);
+    let (req, a) = h.submit("b");
+    let a = h.settle(a);
+    assert!(stops(&a).is_empty() && stops(&h.tick()).is_empty());
+    assert_eq!(h.outcome(req), None, "b waits for a's copy");
+}
