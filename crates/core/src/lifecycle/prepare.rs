@@ -24,7 +24,8 @@
 //!   the copies made at once, against 73 ms once made): its copy waits for a quiet host.
 //!
 //! A model asked for meanwhile loads at once in the form that needs nothing; if the
-//! memory a quiet host's preparation holds is what keeps that load from fitting, the
+//! memory a quiet host's preparation holds is what keeps that load from fitting (or a
+//! run's working set overdraws the budget: before any idle model is evicted), the
 //! preparation is stopped (its child process killed: a request never waits for one-time
 //! work), and quiet-host preparations start again only after [`STOP_BACKOFF`], doubled at
 //! each stop in a row up to [`MAX_STOP_BACKOFF`], so that sparse traffic does not stop

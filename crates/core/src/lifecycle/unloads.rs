@@ -221,12 +221,18 @@ impl Scheduler {
     /// picture grew by itself — a run left more resident than its model's footprint
     /// said, a running model holds its working set — by evicting idle models, the one
     /// worth least first. Models already leaving count as gone; models that are running,
-    /// have work, are pinned or are younger than their `min_residency` stay.
+    /// have work, are pinned or are younger than their `min_residency` stay. A quiet
+    /// host's preparation goes before any of them: it is stopped, and counts as gone.
     pub(super) fn hold_budgets(&mut self, now: Instant) {
         let devices: Vec<Device> = self.config.budgets.keys().cloned().collect();
         for device in devices {
-            let staying = self.accounted(&device).saturating_sub(self.leaving(&device));
+            let mut staying = self.accounted(&device).saturating_sub(self.leaving(&device));
             let budget = self.budget(&device);
+            let yielding = self.yielding_bytes(&device);
+            if staying > budget && yielding > 0 {
+                self.stop_preparation();
+                staying = staying.saturating_sub(yielding);
+            }
             if staying <= budget {
                 continue;
             }

@@ -329,3 +329,20 @@ fn a_churning_model_s_conversion_is_not_stopped_for_a_load() {
     assert!(stops(&a).is_empty() && stops(&h.tick()).is_empty());
     assert_eq!(h.outcome(req), None, "b waits for a's copy");
 }
+
+#[test]
+fn a_run_that_overdraws_the_budget_stops_a_quiet_host_s_conversion_before_evicting() {
+    let mut h = Harness::new(1000, &[("a", 300), ("b", 300), ("c", 200)]);
+    h.call("a").unwrap();
+    prepare(&mut h, "b", 300);
+    assert_eq!(prepares(&h.tick()), [h.id("b")]);
+    let req = h.use_model("c").unwrap();
+    assert!(stops(&h.log).is_empty(), "800 of 1000 MB with the conversion");
+    // c's run left 300 MB more than its footprint said: 1100 MB accounted.
+    h.s.learn_pass(h.id("c"), 300 * MB);
+    let a = h.finish(req);
+    assert_eq!(stops(&a), [h.id("b")], "the conversion goes first");
+    assert!(h.evictions().is_empty(), "and a stays: {:?}", h.evictions());
+    stopped(&mut h, "b");
+    assert_eq!(h.s.accounted(&Device::Cpu), 800 * MB);
+}
