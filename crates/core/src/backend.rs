@@ -290,7 +290,7 @@ pub trait Preparer: Send + Sync {
     fn prepare(&self, backend: &dyn Backend, spec: &LoadSpec) -> Result<(), LoadError>;
     /// Whether it runs in this process: then a load or a run beside it cannot be measured.
     fn in_process(&self) -> bool;
-    /// Stops the preparation in progress, if it can (a load needs the memory it holds):
+    /// Stops the preparation in progress, if it can (a load or a run needs its memory):
     /// `prepare` then returns an error soon, and whatever it left half-made is removed
     /// by the next writer of the cache. Returns false where it cannot (it runs to its end).
     fn stop(&self) -> bool {

@@ -40,8 +40,8 @@ pub enum EventKind {
     /// A one-time preparation (a converted copy) was made in the background; `reason`
     /// names the form it is for.
     Prepared,
-    /// A one-time preparation was stopped because a load needed its memory; it runs
-    /// again later. `reason` names the form it is for.
+    /// A one-time preparation was stopped because a load or a run needed its memory;
+    /// it runs again later. `reason` names the form it is for.
     PrepareStopped,
     /// Left memory; `reason` says why (evicted, idle, requested, pressure, shutdown, failed).
     Unloaded,

@@ -24,7 +24,7 @@ pub struct ChildPreparer {
     exe: PathBuf,
     state_dir: PathBuf,
     intra_op_threads: usize,
-    /// The child at work, while it runs: `stop` kills it (a load needs its memory).
+    /// The child at work, while it runs: `stop` kills it (a request needs its memory).
     running: Arc<Mutex<Option<Child>>>,
 }
 

@@ -220,8 +220,8 @@ pub enum Action {
     /// Do the model's one-time preparation for `weights` in the background (lowest
     /// priority), then send `PrepareFinished`.
     StartPrepare { model: ModelId, weights: Weights },
-    /// Stop the model's preparation in progress, if the preparer can (a load needs the
-    /// memory it holds); its `PrepareFinished` follows either way.
+    /// Stop the model's preparation in progress, if the preparer can (a load or a run
+    /// needs the memory it holds); its `PrepareFinished` follows either way.
     StopPrepare { model: ModelId },
     /// Drop the model, trim the heap, then send `UnloadFinished`.
     StartUnload { model: ModelId, device: Device, reason: UnloadReason, bytes: u64 },
@@ -256,7 +256,7 @@ pub struct Scheduler {
     running: u32,
     /// The preparation in progress.
     preparing: Option<prepare::Preparing>,
-    /// Background preparations stopped for a load in a row, and the instant before which
+    /// Background preparations stopped for requests in a row, and the instant before which
     /// a quiet host starts none (see `prepare`).
     prepare_stops: (u32, Option<Instant>),
     collections: Vec<Collection>,

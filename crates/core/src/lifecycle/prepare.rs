@@ -48,7 +48,7 @@ use super::{Action, ModelId, Scheduler, SlotState};
 /// host: it has been swapped back in, so it will be again.
 pub const CHURN_LOADS: u64 = 2;
 
-/// How long quiet-host preparations wait after one was stopped for a load ...
+/// How long quiet-host preparations wait after one was stopped for a request ...
 pub const STOP_BACKOFF: Duration = Duration::from_secs(1);
 /// ... doubled at each stop in a row, up to this.
 pub const MAX_STOP_BACKOFF: Duration = Duration::from_secs(64);
@@ -59,7 +59,7 @@ pub(super) struct Preparing {
     model: ModelId,
     /// The bytes it holds at its peak (host memory).
     peak: u64,
-    /// Started on a quiet host: a load that needs its memory stops it.
+    /// Started on a quiet host: a load or a run that needs its memory stops it.
     yields: bool,
     /// Asked to stop: its bytes count until it has.
     stopping: bool,
@@ -82,7 +82,7 @@ pub enum Prepared {
     Done { steady: Option<u64>, peak: Option<u64> },
     /// It failed: the model keeps loading without it, and it is not tried again.
     Failed(String),
-    /// It was stopped for a load (`Action::StopPrepare`): it runs again later.
+    /// It was stopped for a load or a run (`Action::StopPrepare`): it runs again later.
     Stopped,
 }
 
@@ -179,8 +179,8 @@ impl Scheduler {
         self.push(Action::StartPrepare { model, weights: p.weights });
     }
 
-    /// Bytes a load on `device` would have once the preparation in progress stopped:
-    /// its peak if it yields to loads (a quiet host's), else 0.
+    /// Bytes `device` would have once the preparation in progress stopped: its peak if
+    /// it yields to requests (a quiet host's), else 0.
     pub(super) fn yielding_bytes(&self, device: &Device) -> u64 {
         match (device, self.preparing) {
             (Device::Cpu, Some(p)) if p.yields => p.peak,
@@ -188,14 +188,14 @@ impl Scheduler {
         }
     }
 
-    /// Asks the preparation in progress to stop for a load, once.
+    /// Asks the preparation in progress to stop for a load or a run, once.
     pub(super) fn stop_preparation(&mut self) {
         let Some(p) = self.preparing.as_mut().filter(|p| p.yields && !p.stopping) else { return };
         p.stopping = true;
         let model = p.model;
         tracing::debug!(
             model = self.slots[model].name(),
-            "stopping the background preparation: a load needs its memory"
+            "stopping the background preparation: a load or a run needs its memory"
         );
         self.push(Action::StopPrepare { model });
     }
@@ -219,7 +219,7 @@ impl Scheduler {
                 // with each stop in a row.
                 let stops = self.prepare_stops.0.saturating_add(1);
                 let pause = STOP_BACKOFF.saturating_mul(1 << (stops - 1).min(6)).min(MAX_STOP_BACKOFF);
-                tracing::info!(model = %s.policy.name, weights = weights.as_str(), again_in_s = pause.as_secs(), "background preparation stopped: a load needed its memory");
+                tracing::info!(model = %s.policy.name, weights = weights.as_str(), again_in_s = pause.as_secs(), "background preparation stopped: a load or a run needed its memory");
                 self.prepare_stops = (stops, Some(self.now + pause));
             }
             Prepared::Failed(why) => {
