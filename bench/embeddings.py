@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -116,8 +117,13 @@ def start_server(config, env=None):
     threading.Thread(target=pump, daemon=True).start()
     if not found.wait(60):
         proc.kill()
+        proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
         sys.exit("server did not start:\n" + "".join(tail))
     proc.stderr_tail = tail
+    # Its config and state dir (the models' converted copies: ~100 MiB for the OCR
+    # stages) go with it: `stop_server` removes them.
+    proc.workdir = tmp
     return proc, "http://" + addr["a"]
 
 
@@ -128,6 +134,7 @@ def stop_server(proc):
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+    shutil.rmtree(getattr(proc, "workdir", ""), ignore_errors=True)
 
 
 def proc_cpu_seconds(pid):

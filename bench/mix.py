@@ -604,7 +604,12 @@ def main(argv=None):
         misses = print_comparison(tasks, stats["baseline"], stats["limited"], results["baseline"],
                                   results["limited"])
         print(f"\n{misses} target(s) missed")
-    print(f"\n(total bench time {time.perf_counter() - t_begin:.0f} s; {loadavg()}; work dir {workdir})")
+    # The models' copies in a state dir of our own are gigabytes: gone with the run (the
+    # configs, clips and server logs stay for a look); `--state-dir` keeps them.
+    if not args.state_dir:
+        shutil.rmtree(state_dir, ignore_errors=True)
+    print(f"\n(total bench time {time.perf_counter() - t_begin:.0f} s; {loadavg()}; "
+          f"work dir {workdir}: configs, clips, server logs)")
 
 
 if __name__ == "__main__":
