@@ -38,6 +38,10 @@ impl ChildPreparer {
             running: Arc::default(),
         })
     }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Child>> {
+        self.running.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 impl Preparer for ChildPreparer {
@@ -78,13 +82,13 @@ impl Preparer for ChildPreparer {
         // a pid the system gave to another process.
         let mut err = Vec::new();
         let read = stderr.map_or(Ok(0), |mut e| e.read_to_end(&mut err));
-        let status = self.lock().take().map(|mut c| c.wait());
-        let lost = |e: String| LoadError::Failed(format!("prepare-model for '{}' was lost: {e}", spec.name));
-        read.map_err(|e| lost(e.to_string()))?;
-        let status = match status {
-            Some(status) => status.map_err(|e| lost(e.to_string()))?,
-            None => return Err(lost("its process is gone".into())),
+        let waited = match self.lock().take() {
+            Some(mut child) => child.wait(),
+            None => Err(std::io::Error::other("its process is gone")),
         };
+        let status = read
+            .and(waited)
+            .map_err(|e| LoadError::Failed(format!("prepare-model for '{}' was lost: {e}", spec.name)))?;
         let err = String::from_utf8_lossy(&err);
         if status.success() {
             // What the child did to the cache (copies made, a stopped process's leftovers
@@ -107,11 +111,5 @@ impl Preparer for ChildPreparer {
             Some(child) => child.kill().is_ok(),
             None => false,
         }
-    }
-}
-
-impl ChildPreparer {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Child>> {
-        self.running.lock().unwrap_or_else(|p| p.into_inner())
     }
 }

@@ -52,6 +52,12 @@ fn prepare_cli(cfg: &Path, state: &Path) -> std::process::Output {
         .expect("run snooze prepare")
 }
 
+/// What `/admin/events` lists: the server's lifecycle events, oldest first.
+fn events(s: &Server) -> Vec<Value> {
+    let (_, body) = s.get("/admin/events");
+    body["events"].as_array().cloned().unwrap_or_default()
+}
+
 fn call(s: &Server, model: &str, reference_of: &str) {
     let r = reference(reference_of);
     let (status, body, _) = s.post(&format!("/v2/models/{model}/infer"), &infer_body(&r));
@@ -90,10 +96,7 @@ fn an_idle_server_converts_a_fresh_state_dir_in_the_background_and_serves_meanwh
     // Served at once, whatever the background work is doing.
     call(&s, "m1", "mlp-100m-1");
     s.wait_for("both models converted", |s| {
-        let (_, events) = s.get("/admin/events");
-        let prepared =
-            events["events"].as_array().into_iter().flatten().filter(|e| e["kind"] == "prepared").count();
-        prepared == 2
+        events(s).iter().filter(|e| e["kind"] == "prepared").count() == 2
     });
     assert_eq!(converted(&state).len(), 2, "{:?}", converted(&state));
     // What the preparing child did to the cache is in the server's log.
@@ -103,14 +106,10 @@ fn an_idle_server_converts_a_fresh_state_dir_in_the_background_and_serves_meanwh
     let (status, body, _) = s.post("/v2/repository/models/small/unload", &json!({}));
     assert_eq!(status, 200, "{body}");
     call(&s, "small", "mlp-10m");
-    let (_, events) = s.get("/admin/events");
-    let loads: Vec<&Value> = events["events"]
-        .as_array()
-        .expect("events")
-        .iter()
-        .filter(|e| e["kind"] == "loaded" && e["model"] == "small")
-        .collect();
-    assert_eq!(loads.last().map(|e| &e["reason"]), Some(&json!("mapped")), "{events}");
+    let events = events(&s);
+    let loads: Vec<&Value> =
+        events.iter().filter(|e| e["kind"] == "loaded" && e["model"] == "small").collect();
+    assert_eq!(loads.last().map(|e| &e["reason"]), Some(&json!("mapped")), "{events:?}");
     assert!(
         s.log_lines("\"level\":\"WARN\"").is_empty(),
         "nothing is wrong: no warning {:?}",
@@ -137,11 +136,8 @@ fn a_model_whose_conversion_cannot_fit_is_served_from_its_mapped_copy() {
     let copies = std::fs::read_dir(state.join("ort-cache")).expect("the cache").filter_map(Result::ok);
     let mapped: Vec<_> = copies.map(|e| e.file_name().to_string_lossy().into_owned()).collect();
     assert!(mapped.iter().any(|n| n.starts_with("mlp-100m-1") && n.ends_with(".mapped")), "{mapped:?}");
-    let (_, events) = s.get("/admin/events");
-    assert!(
-        !events["events"].as_array().into_iter().flatten().any(|e| e["kind"] == "refused"),
-        "nothing refused: {events}"
-    );
+    let events = events(&s);
+    assert!(!events.iter().any(|e| e["kind"] == "refused"), "nothing refused: {events:?}");
 }
 
 #[test]
@@ -216,16 +212,11 @@ fn a_request_does_not_wait_for_a_background_conversion_holding_the_memory_its_lo
     let s = Server::start("prepare-stop", &cfg, &[]);
     s.wait_for("m1's conversion in its child process", |s| converting(s.child.id(), "mlp-100m-1"));
     call(&s, "m1", "mlp-100m-1");
-    let (_, events) = s.get("/admin/events");
-    let kinds: Vec<&str> = events["events"]
-        .as_array()
-        .expect("events")
-        .iter()
-        .filter(|e| e["model"] == "m1")
-        .filter_map(|e| e["kind"].as_str())
-        .collect();
-    assert_eq!(kinds.first().copied(), Some("prepare_stopped"), "stopped before m1 loaded: {events}");
-    assert!(kinds.contains(&"loaded") && !kinds.contains(&"prepared"), "{events}");
+    let seen = events(&s);
+    let kinds: Vec<&str> =
+        seen.iter().filter(|e| e["model"] == "m1").filter_map(|e| e["kind"].as_str()).collect();
+    assert_eq!(kinds.first().copied(), Some("prepare_stopped"), "stopped before m1 loaded: {seen:?}");
+    assert!(kinds.contains(&"loaded") && !kinds.contains(&"prepared"), "{seen:?}");
     s.wait_for("the child gone", |s| !converting(s.child.id(), "mlp-100m-1"));
     assert!(
         s.log_lines("\"level\":\"WARN\"").is_empty(),
@@ -236,12 +227,7 @@ fn a_request_does_not_wait_for_a_background_conversion_holding_the_memory_its_lo
     let (status, body, _) = s.post("/v2/repository/models/m1/unload", &json!({}));
     assert_eq!(status, 200, "{body}");
     s.wait_for("m1 converted after its stop", |s| {
-        let (_, events) = s.get("/admin/events");
-        events["events"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .any(|e| e["kind"] == "prepared" && e["model"] == "m1")
+        events(s).iter().any(|e| e["kind"] == "prepared" && e["model"] == "m1")
     });
     call(&s, "m1", "mlp-100m-1");
 }

@@ -259,6 +259,17 @@ fn stopped(h: &mut Harness, name: &str) -> Vec<Action> {
     h.settle(a)
 }
 
+/// With every model unloaded, `name`'s conversion is still held back at `before` (s) and
+/// starts again at `after`.
+fn restarts_between(h: &mut Harness, name: &str, before: f64, after: f64) {
+    let a = gc(h);
+    h.settle(a);
+    h.at(before);
+    assert!(prepares(&h.tick()).is_empty(), "held back at {before} s");
+    h.at(after);
+    assert_eq!(prepares(&h.tick()), [h.id(name)], "started again at {after} s");
+}
+
 #[test]
 fn a_request_stops_a_quiet_host_s_conversion_that_holds_the_memory_its_load_needs() {
     // The fresh start at a byte budget: the idle server converts `b`, holding 300
@@ -276,23 +287,13 @@ fn a_request_stops_a_quiet_host_s_conversion_that_holds_the_memory_its_load_need
     assert_eq!(h.s.accounted(&Device::Cpu), 150 * MB);
     h.finish(req);
     // Not a failure: it runs again on a quiet host, after a pause that doubles with each
-    // stop in a row.
-    let a = gc(&mut h);
-    h.settle(a);
-    h.at(0.9);
-    assert!(prepares(&h.tick()).is_empty(), "1 s after the first stop");
-    h.at(1.1);
-    assert_eq!(prepares(&h.tick()), [h.id("b")]);
+    // stop in a row: 1 s after the first stop, 2 s after the second.
+    restarts_between(&mut h, "b", 0.9, 1.1);
     let (req, a) = h.submit("a");
     assert_eq!(stops(&h.settle(a)), [h.id("b")]);
     stopped(&mut h, "b");
     h.finish(req);
-    let a = gc(&mut h);
-    h.settle(a);
-    h.at(3.0);
-    assert!(prepares(&h.tick()).is_empty(), "2 s after the second");
-    h.at(3.2);
-    assert_eq!(prepares(&h.tick()), [h.id("b")]);
+    restarts_between(&mut h, "b", 3.0, 3.2);
     h.feed(Event::PrepareFinished {
         model: h.id("b"),
         weights: Weights::Mapped,
@@ -302,12 +303,18 @@ fn a_request_stops_a_quiet_host_s_conversion_that_holds_the_memory_its_load_need
     assert_eq!(h.s.slot(h.id("b")).last_error, None, "a stop is no failure");
 }
 
-#[test]
-fn a_conversion_is_not_stopped_where_evicting_an_idle_model_makes_room() {
-    let mut h = Harness::new(500, &[("a", 150), ("b", 150), ("c", 150)]);
+/// `a` resident and idle, `b`'s conversion (300 MB at its peak) started on the quiet host.
+fn converting_b_beside_idle_a(budget_mb: u64, models: &[(&str, u64)]) -> Harness {
+    let mut h = Harness::new(budget_mb, models);
     h.call("a").unwrap();
     prepare(&mut h, "b", 300);
     assert_eq!(prepares(&h.tick()), [h.id("b")]);
+    h
+}
+
+#[test]
+fn a_conversion_is_not_stopped_where_evicting_an_idle_model_makes_room() {
+    let mut h = converting_b_beside_idle_a(500, &[("a", 150), ("b", 150), ("c", 150)]);
     let (req, a) = h.submit("c");
     let a = h.settle(a);
     assert!(stops(&a).is_empty(), "{a:?}");
@@ -332,10 +339,7 @@ fn a_churning_model_s_conversion_is_not_stopped_for_a_load() {
 
 #[test]
 fn a_run_that_overdraws_the_budget_stops_a_quiet_host_s_conversion_before_evicting() {
-    let mut h = Harness::new(1000, &[("a", 300), ("b", 300), ("c", 200)]);
-    h.call("a").unwrap();
-    prepare(&mut h, "b", 300);
-    assert_eq!(prepares(&h.tick()), [h.id("b")]);
+    let mut h = converting_b_beside_idle_a(1000, &[("a", 300), ("b", 300), ("c", 200)]);
     let req = h.use_model("c").unwrap();
     assert!(stops(&h.log).is_empty(), "800 of 1000 MB with the conversion");
     // c's run left 300 MB more than its footprint said: 1100 MB accounted.
