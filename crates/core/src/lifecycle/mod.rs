@@ -20,6 +20,7 @@
 
 mod dispatch;
 mod loads;
+mod order;
 mod plan;
 mod prepare;
 mod queue;

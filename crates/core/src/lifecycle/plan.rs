@@ -17,7 +17,7 @@ use std::{
 
 use crate::{backend::Device, pressure::PressureLevel};
 
-use super::{refusal, Action, ModelId, Scheduler, SlotState, UnloadReason};
+use super::{refusal, Action, ModelId, Scheduler, SlotState};
 
 /// A lean model is promoted only after it stayed this long ...
 const PROMOTE_AFTER: std::time::Duration = std::time::Duration::from_millis(500);
@@ -127,7 +127,8 @@ impl Scheduler {
     /// while Whisper loads for a second would otherwise wait that second for its turn —
     /// the head-of-line blocking of the mix. Beside a slow load, only a model that
     /// reloaded within `QUICK_LOAD` and whose footprint is known loads, or evicts to load;
-    /// anything else it would have to wait for waits for the slow load to end.
+    /// anything else it would have to wait for waits for the slow load to end. And while
+    /// the first in line waits for room, a quick model behind it may load (`backfill`).
     fn plan_device(&mut self, now: Instant, device: &Device) -> bool {
         loop {
             if self.slots.iter().any(|s| s.busy_on(device) && s.holds_every_load()) {
@@ -141,24 +142,14 @@ impl Scheduler {
                 return false;
             };
             let plan = self.plan(model, device, now);
-            if beside_slow && !matches!(plan, Plan::Load | Plan::Evict(_)) {
-                return false;
-            }
             match plan {
-                Plan::Load => {
-                    let reserved = self.slots[model].admission_bytes().unwrap_or(0);
-                    self.slots[model].state = SlotState::Loading { device: device.clone(), reserved };
-                    self.push(Action::StartLoad { model, device: device.clone() });
+                Plan::Load | Plan::Evict(_) => {
+                    self.start_load(model, device, plan, now);
                     return false;
                 }
-                Plan::Evict(victims) => {
-                    for v in victims {
-                        // Made room, not recovered from an out-of-memory error: it may come
-                        // back when the room is free again (see `preload`).
-                        self.slots[v].evicted_at = Some(now);
-                        self.slots[model].evicted_for += self.slots[v].resident_bytes();
-                        self.begin_unload(v, UnloadReason::Evicted);
-                    }
+                Plan::Wait(Wait::Preparation) | Plan::Refuse(_) if beside_slow => return false,
+                Plan::Wait(_) if beside_slow => {
+                    self.backfill(device, model, now);
                     return false;
                 }
                 Plan::Wait(wait) => {
@@ -170,11 +161,15 @@ impl Scheduler {
                         s.device_index = next;
                         return true;
                     }
+                    let backfill = !matches!(wait, Wait::Preparation);
                     match wait {
                         Wait::Drain(models) => models.into_iter().for_each(|m| self.slots[m].draining = true),
                         Wait::Until(t) => self.wake_by(t),
                         Wait::Events => {}
                         Wait::Preparation => self.stop_preparation(),
+                    }
+                    if backfill {
+                        self.backfill(device, model, now);
                     }
                     return false;
                 }
@@ -292,28 +287,12 @@ impl Scheduler {
         }
     }
 
-    /// The waiting model among `which` that loads next on `device`: highest priority,
-    /// then one that models were evicted for (the room is its: the model evicted for it,
-    /// whose queue may be older, would take it back and starve it), then longest waiting.
+    /// The waiting model among `which` that loads next on `device` (see `load_order`).
     fn next_to_load(&self, device: &Device, which: impl Fn(&super::ModelSlot) -> bool) -> Option<ModelId> {
-        self.slots
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| {
-                matches!(s.state, SlotState::Unloaded)
-                    && s.wants_load()
-                    && s.device() == Some(device)
-                    && which(s)
-            })
-            .max_by_key(|(_, s)| {
-                let loads = (!s.load_waiters.is_empty()).then_some(super::Priority::Normal);
-                let top = s.queue.top().max(loads);
-                (top, s.evicted_for > 0, std::cmp::Reverse(self.waiting_since(s)))
-            })
-            .map(|(id, _)| id)
+        self.load_order(device, which).first().copied()
     }
 
-    fn waiting_since(&self, s: &super::ModelSlot) -> Option<Instant> {
+    pub(super) fn waiting_since(&self, s: &super::ModelSlot) -> Option<Instant> {
         s.queue.oldest().into_iter().chain(s.load_waiters.iter().map(|(_, t)| *t)).min()
     }
 

@@ -278,3 +278,104 @@ fn an_asked_for_unload_waits_for_a_job_between_two_slices_and_starts_nothing_new
     assert_eq!(h.outcome(900), Some(Ok(())));
     assert_eq!(h.outcome(late), Some(Ok(())), "then the late request reloads it and runs");
 }
+
+/// "job" holds 600 MB while it runs (100 MB loaded), "big" (350 MB) cannot fit beside it
+/// until the run ends, even with "idle" (150 MB, used at 0.5 s) evicted; "small" was
+/// loaded once (in `small_load`) and unloaded. "big" is asked for at 2.0 s, while the run
+/// goes on. Returns the harness, the run and big's request.
+fn big_waits_for_a_running_job(small_mb: u64, small_load: Duration) -> (Harness, RequestId, RequestId) {
+    let mut h = Harness::new(1000, &[("job", 100), ("big", 350), ("small", small_mb), ("idle", 150)]);
+    let job = h.id("job");
+    h.s.learn_transient(job, 600 * MB);
+    h.load_time = small_load;
+    h.call("small").unwrap();
+    h.load_time = Duration::from_millis(10);
+    let small = h.id("small");
+    let a = h.feed(Event::Unload { req: 900, model: small });
+    h.settle(a);
+    h.at(0.5);
+    h.call("idle").unwrap();
+    h.at(1.0);
+    let run = h.use_model("job").unwrap();
+    h.at(2.0);
+    let (big, a) = h.submit("big");
+    h.settle(a);
+    assert_eq!(h.outcome(big), None, "850 MB in use: 350 more fit neither free nor by evicting idle");
+    (h, run, big)
+}
+
+#[test]
+fn a_quick_model_that_fits_does_not_wait_behind_a_load_that_waits_for_a_run() {
+    let (mut h, run, big) = big_waits_for_a_running_job(50, Duration::from_millis(10));
+    h.at(2.05);
+    let (req, a) = h.submit("small");
+    let a = h.settle(a);
+    assert_eq!(started_loads(&h, &a), ["small"], "50 MB fit in the 150 free: it loads beside the wait");
+    assert_eq!(h.outcome(req), Some(Ok(())));
+    assert_eq!(h.outcome(big), None);
+    h.finish(req);
+    h.at(3.0);
+    h.finish(run);
+    assert_eq!(h.outcome(big), Some(Ok(())), "the run's 600 MB back: big loads, first in line again");
+    assert!(h.evictions().is_empty(), "100 + 150 + 50 + 350 MB: {:?}", h.evictions());
+    assert!(h.s.accounted(&Device::Cpu) <= 1000 * MB);
+}
+
+#[test]
+fn a_quick_model_evicts_an_idle_one_rather_than_wait_behind_a_load_that_waits_for_a_run() {
+    let (mut h, run, big) = big_waits_for_a_running_job(250, Duration::from_millis(10));
+    h.at(2.05);
+    let (req, a) = h.submit("small");
+    h.settle(a);
+    assert_eq!(h.evictions(), ["idle"], "250 MB fit once the idle 150 MB go; big would not");
+    assert_eq!(h.outcome(req), Some(Ok(())));
+    h.finish(req);
+    h.at(3.0);
+    h.finish(run);
+    assert_eq!(h.outcome(big), Some(Ok(())), "100 + 250 + 350 MB once the run ended");
+}
+
+#[test]
+fn a_slow_model_waits_its_turn_behind_a_load_that_waits_for_a_run() {
+    // "small" fits, but its last load took a second: it would hold the device (and the
+    // room) when the run ends and big's turn comes.
+    let (mut h, run, big) = big_waits_for_a_running_job(50, Duration::from_secs(1));
+    h.at(2.05);
+    let (req, a) = h.submit("small");
+    let a = h.settle(a);
+    assert!(started_loads(&h, &a).is_empty(), "{:?}", started_loads(&h, &a));
+    h.at(3.0);
+    let a = h.finish(run);
+    assert_eq!(started_loads(&h, &a), ["big", "small"], "big first, then small beside it");
+    assert_eq!((h.outcome(big), h.outcome(req)), (Some(Ok(())), Some(Ok(()))));
+}
+
+#[test]
+fn nothing_goes_ahead_of_a_model_that_models_were_evicted_for() {
+    // "big" (700 MB) evicts "idle" (300 MB) to load; while "idle" unloads, "job" starts a
+    // run holding 500 MB, so "big" is short again. The 300 MB "idle" left are big's: a
+    // quick "small" taking them would be evicted by "big" as soon as it fits, and the two
+    // could take turns.
+    let mut h = Harness::new(1000, &[("job", 100), ("idle", 300), ("big", 700), ("small", 50)]);
+    h.s.learn_transient(h.id("job"), 500 * MB);
+    h.call("small").unwrap();
+    let small = h.id("small");
+    let a = h.feed(Event::Unload { req: 900, model: small });
+    h.settle(a);
+    h.call_a_second_apart(&["job", "idle"]);
+    h.at(2.0);
+    let (big, a) = h.submit("big");
+    assert_eq!(h.evictions(), ["idle"]);
+    let (run, b) = h.submit("job");
+    assert_eq!(h.outcome(run), Some(Ok(())), "the run starts while idle unloads");
+    h.settle(a.into_iter().chain(b).collect());
+    assert_eq!(h.outcome(big), None, "600 MB held: big waits for the run");
+    h.at(2.1);
+    let (req, a) = h.submit("small");
+    let a = h.settle(a);
+    assert!(started_loads(&h, &a).is_empty(), "small fits, but in the room made for big");
+    h.at(3.0);
+    let a = h.finish(run);
+    assert_eq!(started_loads(&h, &a), ["big", "small"]);
+    assert_eq!((h.outcome(big), h.outcome(req)), (Some(Ok(())), Some(Ok(()))));
+}
