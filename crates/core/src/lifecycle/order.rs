@@ -66,14 +66,14 @@ impl Scheduler {
 
     /// `head`, first in line on `device`, waits (not for a preparation it stopped: that
     /// gives it its room in a moment): the next model in line that reloads quickly and can
-    /// load now goes ahead of it. Returns true if one did.
-    pub(super) fn backfill(&mut self, device: &Device, head: ModelId, now: Instant) -> bool {
+    /// load now goes ahead of it.
+    pub(super) fn backfill(&mut self, device: &Device, head: ModelId, now: Instant) {
         // Models were evicted for it: the room is its. One going ahead would take that
         // room, the head evict it again, and the two take turns (the memory an eviction
         // returns is often less than the model was accounted at: the head, still short,
         // waits, and a quick model loads into what it freed, over and over).
         if self.slots[head].evicted_for > 0 {
-            return false;
+            return;
         }
         let behind = self.load_order(device, |s| s.quick_reload()).into_iter().filter(|m| *m != head);
         for model in behind {
@@ -93,9 +93,8 @@ impl Scheduler {
                     "loading ahead of a model that waits: it reloads quickly and fits now"
                 );
                 self.start_load(model, device, plan, now);
-                return true;
+                return;
             }
         }
-        false
     }
 }

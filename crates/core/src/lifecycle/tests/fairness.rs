@@ -189,14 +189,20 @@ fn started_loads(h: &Harness, actions: &[Action]) -> Vec<String> {
     })
 }
 
+/// Serves one request of `name` (its load measured) and unloads it: a model that reloads
+/// as quickly as its load took.
+fn loaded_once_then_unloaded(h: &mut Harness, name: &str) {
+    h.call(name).unwrap();
+    let model = h.id(name);
+    let a = h.feed(Event::Unload { req: 900, model });
+    h.settle(a);
+}
+
 /// "quick" loaded once in 10 ms and was unloaded; "slow" starts loading at t = 1 s and
 /// is left loading. Returns the harness.
 fn slow_load_in_flight(budget_mb: u64, models: &[(&str, u64)]) -> Harness {
     let mut h = Harness::new(budget_mb, models);
-    h.call("quick").unwrap();
-    let quick = h.id("quick");
-    let a = h.feed(Event::Unload { req: 900, model: quick });
-    h.settle(a);
+    loaded_once_then_unloaded(&mut h, "quick");
     h.at(1.0);
     let (_, a) = h.submit("slow");
     assert_eq!(started_loads(&h, &a), ["slow"]);
@@ -224,10 +230,7 @@ fn a_quick_reload_does_not_wait_for_a_slow_load() {
 fn a_quick_reload_makes_room_beside_a_slow_load() {
     // 300 MB loading + 600 MB idle + 200 MB over a 1000 MB budget: the idle one goes.
     let mut h = Harness::new(1000, &[("slow", 300), ("quick", 200), ("idle", 600)]);
-    h.call("quick").unwrap();
-    let quick = h.id("quick");
-    let a = h.feed(Event::Unload { req: 900, model: quick });
-    h.settle(a);
+    loaded_once_then_unloaded(&mut h, "quick");
     h.at(1.0);
     h.call("idle").unwrap();
     h.at(5.0);
@@ -288,11 +291,8 @@ fn big_waits_for_a_running_job(small_mb: u64, small_load: Duration) -> (Harness,
     let job = h.id("job");
     h.s.learn_transient(job, 600 * MB);
     h.load_time = small_load;
-    h.call("small").unwrap();
+    loaded_once_then_unloaded(&mut h, "small");
     h.load_time = Duration::from_millis(10);
-    let small = h.id("small");
-    let a = h.feed(Event::Unload { req: 900, model: small });
-    h.settle(a);
     h.at(0.5);
     h.call("idle").unwrap();
     h.at(1.0);
@@ -358,10 +358,7 @@ fn nothing_goes_ahead_of_a_model_that_models_were_evicted_for() {
     // could take turns.
     let mut h = Harness::new(1000, &[("job", 100), ("idle", 300), ("big", 700), ("small", 50)]);
     h.s.learn_transient(h.id("job"), 500 * MB);
-    h.call("small").unwrap();
-    let small = h.id("small");
-    let a = h.feed(Event::Unload { req: 900, model: small });
-    h.settle(a);
+    loaded_once_then_unloaded(&mut h, "small");
     h.call_a_second_apart(&["job", "idle"]);
     h.at(2.0);
     let (big, a) = h.submit("big");
