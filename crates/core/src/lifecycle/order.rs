@@ -53,6 +53,11 @@ impl Scheduler {
             }
             Plan::Evict(victims) => {
                 for v in victims {
+                    tracing::debug!(
+                        model = self.slots[v].name(),
+                        load = self.slots[model].name(),
+                        "evicted: to make room for a load"
+                    );
                     // Made room, not recovered from an out-of-memory error: it may come
                     // back when the room is free again (see `preload`).
                     self.slots[v].evicted_at = Some(now);
