@@ -12,21 +12,27 @@
 //! back, and serves what waited for it first). A model whose reload is slow waits its
 //! turn: it would hold the device, and its room, when the turn of the one in front comes.
 
-use std::time::Instant;
+use std::{cmp::Reverse, time::Instant};
 
 use super::{plan::Plan, Action, Device, ModelId, ModelSlot, Priority, Scheduler, SlotState, UnloadReason};
 
+/// What loads first: priority, models evicted for it, longest waiting (see `waiting_to_load`).
+type LoadKey = (Option<Priority>, bool, Reverse<Option<Instant>>);
+
 impl Scheduler {
-    /// The waiting models among `which` on `device`, in the order they load: highest
-    /// priority, then one that models were evicted for (the room is its: the model evicted
-    /// for it, whose queue may be older, would take it back and starve it), then longest
-    /// waiting.
-    pub(super) fn load_order(&self, device: &Device, which: impl Fn(&ModelSlot) -> bool) -> Vec<ModelId> {
-        let mut waiting: Vec<_> = self
-            .slots
+    /// The waiting models among `which` on `device`, each with the key it loads by:
+    /// highest priority, then one that models were evicted for (the room is its: the model
+    /// evicted for it, whose queue may be older, would take it back and starve it), then
+    /// longest waiting.
+    fn waiting_to_load<'a>(
+        &'a self,
+        device: &'a Device,
+        which: impl Fn(&ModelSlot) -> bool + 'a,
+    ) -> impl Iterator<Item = (LoadKey, ModelId)> + 'a {
+        self.slots
             .iter()
             .enumerate()
-            .filter(|(_, s)| {
+            .filter(move |(_, s)| {
                 matches!(s.state, SlotState::Unloaded)
                     && s.wants_load()
                     && s.device() == Some(device)
@@ -35,9 +41,24 @@ impl Scheduler {
             .map(|(id, s)| {
                 let loads = (!s.load_waiters.is_empty()).then_some(Priority::Normal);
                 let top = s.queue.top().max(loads);
-                ((top, s.evicted_for > 0, std::cmp::Reverse(self.waiting_since(s))), id)
+                ((top, s.evicted_for > 0, Reverse(self.waiting_since(s))), id)
             })
-            .collect();
+    }
+
+    /// The waiting model among `which` that loads next on `device`. One pass: this runs
+    /// at every scheduling step.
+    pub(super) fn next_to_load(
+        &self,
+        device: &Device,
+        which: impl Fn(&ModelSlot) -> bool,
+    ) -> Option<ModelId> {
+        self.waiting_to_load(device, which).max_by_key(|(key, _)| *key).map(|(_, id)| id)
+    }
+
+    /// The waiting models among `which` on `device`, in the order they load: the first
+    /// is `next_to_load`'s.
+    fn load_order(&self, device: &Device, which: impl Fn(&ModelSlot) -> bool) -> Vec<ModelId> {
+        let mut waiting: Vec<_> = self.waiting_to_load(device, which).collect();
         // Stable, then reversed: of equal keys the last model comes first (as `max_by_key`).
         waiting.sort_by_key(|(key, _)| *key);
         waiting.into_iter().rev().map(|(_, id)| id).collect()

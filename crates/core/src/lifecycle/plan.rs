@@ -287,11 +287,6 @@ impl Scheduler {
         }
     }
 
-    /// The waiting model among `which` that loads next on `device` (see `load_order`).
-    fn next_to_load(&self, device: &Device, which: impl Fn(&super::ModelSlot) -> bool) -> Option<ModelId> {
-        self.load_order(device, which).first().copied()
-    }
-
     pub(super) fn waiting_since(&self, s: &super::ModelSlot) -> Option<Instant> {
         s.queue.oldest().into_iter().chain(s.load_waiters.iter().map(|(_, t)| *t)).min()
     }
