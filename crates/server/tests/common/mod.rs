@@ -47,13 +47,22 @@ pub struct Server {
 impl Server {
     /// Starts `snooze serve --config <toml>` in a fresh temp dir.
     pub fn start(name: &str, config_toml: &str, extra_args: &[&str]) -> Server {
+        Server::start_env(name, config_toml, extra_args, &[])
+    }
+
+    /// [`Server::start`] with environment variables set for the server.
+    pub fn start_env(name: &str, config_toml: &str, extra_args: &[&str], env: &[(&str, &str)]) -> Server {
         let dir = std::env::temp_dir().join(format!("snooze-it-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("temp dir");
         let config = dir.join("snooze.toml");
         std::fs::write(&config, config_toml).expect("write config");
         Server::start_with(
-            Command::new(env!("CARGO_BIN_EXE_snooze")).arg("serve").arg("--config").arg(&config),
+            Command::new(env!("CARGO_BIN_EXE_snooze"))
+                .arg("serve")
+                .arg("--config")
+                .arg(&config)
+                .envs(env.iter().copied()),
             extra_args,
             dir,
         )
