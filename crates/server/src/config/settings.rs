@@ -167,7 +167,10 @@ server_settings! {
     /// Longest a request waits for its model to load, and a repository load or unload
     /// for its model (then 503; the load or unload goes on).
     acquire_timeout: Duration = "120s", check positive;
-    /// Larger bodies get 413, refused by `Content-Length` before they are read.
+    /// Larger bodies get 413, refused by `Content-Length` before they are read; a chunked
+    /// one when it passes the limit. A body cut off after 1 MiB or more arrived (too large,
+    /// too slow, its client gone) gives its memory back: the heap is trimmed within 0.2 s,
+    /// once for all such bodies of that moment.
     max_request_size: u64 = "64MiB", check some_bytes;
     /// Memory all requests in flight may hold (bodies, decoded tensors, the copy kept for
     /// an out-of-memory retry), as a size or a share of the memory budget; past it new

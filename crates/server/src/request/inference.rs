@@ -120,7 +120,7 @@ pub async fn run(
     charge.set(decoded.saturating_mul(2))?;
     let result = state.manager.infer(&info.name, priority, inputs, outputs).await;
     if state.settings.low_ram_mode && large {
-        tokio::task::spawn_blocking(snooze_core::memory::trim_heap);
+        super::memory::trim_heap_soon();
     }
     result
 }

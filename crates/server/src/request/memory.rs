@@ -6,7 +6,7 @@
 
 use std::{
     sync::{
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
         Arc,
     },
     time::Duration,
@@ -16,6 +16,33 @@ use snooze_core::{units::format_bytes as fb, ErrorKind, SnoozeError};
 
 /// Requests finish in milliseconds: a refused client may come back soon.
 const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// Trims asked for within this time of each other are one trim, after the last.
+const TRIM_DELAY: Duration = Duration::from_millis(200);
+
+static TRIM_PENDING: AtomicBool = AtomicBool::new(false);
+
+/// Gives the heap a large request left behind back to the OS, soon: glibc keeps freed
+/// small blocks (a body's frames) in the arena of the thread that freed them. Requests
+/// asking within [`TRIM_DELAY`] share one trim, so clients that send a megabyte and
+/// leave cannot keep a core trimming. Must run inside a tokio runtime.
+pub fn trim_heap_soon() {
+    once_after(&TRIM_PENDING, TRIM_DELAY, snooze_core::memory::trim_heap);
+}
+
+/// Runs `work` on a blocking thread `delay` from now, unless a run is pending already
+/// (`pending` says so): calls within `delay` of the first share its run.
+fn once_after(pending: &'static AtomicBool, delay: Duration, work: fn()) {
+    if pending.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    tokio::spawn(async move {
+        tokio::time::sleep(delay).await;
+        // Cleared first: what is freed during the run asks for the next one.
+        pending.store(false, Ordering::Release);
+        let _ = tokio::task::spawn_blocking(work).await;
+    });
+}
 
 /// The shared budget.
 #[derive(Debug)]
@@ -138,6 +165,42 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    static RUNS: AtomicU64 = AtomicU64::new(0);
+    static PENDING: AtomicBool = AtomicBool::new(false);
+
+    fn count() {
+        RUNS.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Waits until `RUNS` reaches `n`: the run is on a blocking thread, which the paused
+    /// clock does not wait for.
+    async fn runs_reach(n: u64) {
+        let start = std::time::Instant::now();
+        while RUNS.load(Ordering::SeqCst) < n {
+            assert!(start.elapsed() < Duration::from_secs(20), "run {n} never came");
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn trims_asked_for_together_are_one_and_a_later_ask_gets_its_own() {
+        let delay = Duration::from_millis(200);
+        for _ in 0..100 {
+            once_after(&PENDING, delay, count);
+        }
+        tokio::time::sleep(delay / 2).await;
+        once_after(&PENDING, delay, count);
+        assert_eq!(RUNS.load(Ordering::SeqCst), 0, "ran before its delay");
+        tokio::time::sleep(delay).await;
+        runs_reach(1).await;
+        tokio::time::sleep(delay * 5).await;
+        assert_eq!(RUNS.load(Ordering::SeqCst), 1, "101 asks within the delay ran more than once");
+        // After the run, an ask is not lost: it gets a run of its own.
+        once_after(&PENDING, delay, count);
+        tokio::time::sleep(delay * 2).await;
+        runs_reach(2).await;
+    }
 
     #[test]
     fn charges_add_up_refuse_past_the_limit_and_come_back_on_drop() {
