@@ -243,10 +243,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
     let releases = releases_activations(config, probe.snapshot().source);
     if config.server.low_ram_mode {
         let tuned = snooze_core::memory::tune_allocator_for_low_ram();
-        tracing::info!(
-            tuned,
-            "low-RAM mode: one malloc arena, 64 KiB mmap threshold, trim after large requests"
-        );
+        tracing::info!(tuned, "low-RAM mode: one malloc arena, 64 KiB mmap threshold");
     } else if releases && !snooze_core::memory::return_large_blocks() {
         tracing::warn!("the allocator keeps freed blocks: released activations stay resident until a trim");
     }

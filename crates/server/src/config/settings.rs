@@ -167,14 +167,13 @@ server_settings! {
     /// Longest a request waits for its model to load, and a repository load or unload
     /// for its model (then 503; the load or unload goes on).
     acquire_timeout: Duration = "120s", check positive;
-    /// Larger bodies get 413, refused by `Content-Length` before they are read; a chunked
-    /// one when it passes the limit. A body cut off after 1 MiB or more arrived (too large,
-    /// too slow, its client gone) gives its memory back: the heap is trimmed within 0.2 s,
-    /// once for all such bodies of that moment.
+    /// Larger bodies get 413, refused by `Content-Length` before they are read.
     max_request_size: u64 = "64MiB", check some_bytes;
     /// Memory all requests in flight may hold (bodies, decoded tensors, the copy kept for
     /// an out-of-memory retry), as a size or a share of the memory budget; past it new
-    /// requests get 503 + `Retry-After`, a request that alone exceeds it 413.
+    /// requests get 503 + `Retry-After`, a request that alone exceeds it 413. A request
+    /// that held 1 MiB or more gives it back to the OS when it ends (the heap is trimmed
+    /// within 0.2 s, once for all such requests of that moment).
     max_inflight_request_bytes: MemorySize = "10%", check some_size;
     /// A request line and headers must arrive within this once they started; slower
     /// connections are closed.
@@ -217,8 +216,7 @@ server_settings! {
     memory_emergency_threshold: f64 = "0.98";
     /// How often the monitor reads memory (also after each load).
     memory_check_interval: Duration = "5s", check at_least_10ms;
-    /// One malloc arena and a 64 KiB mmap threshold; trim the heap after requests of
-    /// 1 MiB or more.
+    /// One malloc arena and a 64 KiB mmap threshold.
     low_ram_mode: bool = "false";
     /// When set, every admin endpoint (repository load/unload, `/admin/*` reads, gc, the
     /// memory dump, `/metrics`, the dashboard's data) needs `Authorization: Bearer

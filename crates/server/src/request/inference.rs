@@ -9,9 +9,6 @@ use snooze_core::{ModelInfo, ModelSignature, Priority, SnoozeError, Task, Tensor
 
 use super::{memory::Charge, AppState};
 
-/// In low-RAM mode the heap is trimmed after requests at least this large.
-pub const LARGE_REQUEST: u64 = 1 << 20;
-
 /// A priority as a protocol carries it: a name, or Triton's number (1 = high,
 /// 2 = normal, 3 and more = low, 0 = the model's default).
 pub enum PriorityValue {
@@ -116,13 +113,8 @@ pub async fn run(
     }
     let decoded: u64 = inputs.iter().map(|t| t.data.byte_size() as u64).sum();
     charge.grow(decoded.saturating_mul(2))?;
-    let large = charge.bytes() >= LARGE_REQUEST;
     charge.set(decoded.saturating_mul(2))?;
-    let result = state.manager.infer(&info.name, priority, inputs, outputs).await;
-    if state.settings.low_ram_mode && large {
-        super::memory::trim_heap_soon();
-    }
-    result
+    state.manager.infer(&info.name, priority, inputs, outputs).await
 }
 
 /// A speech model over KServe: every element of its BYTES input is an audio file; each

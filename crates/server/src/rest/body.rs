@@ -11,10 +11,7 @@ use http_body_util::BodyExt;
 use snooze_core::{units::format_bytes as fb, ErrorKind, SnoozeError};
 
 use super::AppState;
-use crate::request::{
-    inference::LARGE_REQUEST,
-    memory::{self, Charge},
-};
+use crate::request::memory::Charge;
 
 /// Bodies of repository and admin requests (a few optional parameters).
 pub const SMALL_BODY_LIMIT: u64 = 64 << 10;
@@ -53,18 +50,36 @@ pub async fn read_body(
         // by the number: connections that declare much and send nothing hold nothing.
         charge.fits_now(n)?;
     }
+    let timeout = state.settings.body_read_timeout;
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut body = body;
     let mut chunks: Vec<Bytes> = Vec::new();
     let mut total: u64 = 0;
-    let read = receive(state, body, limit, charge, &mut chunks, &mut total).await;
-    if let Err(e) = read {
-        if total >= LARGE_REQUEST {
-            // The frames arrived in the allocator's small blocks, in the arena of
-            // whichever worker read them; freed, they stay resident until a trim
-            // (measured: +6-8 MiB of RSS after 100 bodies cut at 8 MiB, 16-32 workers).
-            drop(chunks);
-            memory::trim_heap_soon();
+    loop {
+        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            Err(_) => {
+                return Err(SnoozeError::new(
+                    ErrorKind::RequestTimeout,
+                    format!(
+                        "the request body was not received within body_read_timeout ({:.0}s): {} arrived",
+                        timeout.as_secs_f64(),
+                        fb(total)
+                    ),
+                ))
+            }
+            Ok(None) => break,
+            Ok(Some(Err(e))) => {
+                return Err(SnoozeError::invalid(format!("cannot read the request body: {e}")))
+            }
+            Ok(Some(Ok(frame))) => frame,
+        };
+        let Ok(data) = frame.into_data() else { continue }; // trailers
+        total += data.len() as u64;
+        if total > limit {
+            return Err(too_large(state, limit, "(sent without a Content-Length)"));
         }
-        return Err(e);
+        charge.grow(data.len() as u64)?;
+        chunks.push(data);
     }
     Ok(match chunks.len() {
         0 => Bytes::new(),
@@ -78,47 +93,6 @@ pub async fn read_body(
             Bytes::from(all)
         }
     })
-}
-
-/// Receives the body's frames into `chunks` until its end, `limit` or
-/// `body_read_timeout`, counting them in `total`.
-async fn receive(
-    state: &AppState,
-    mut body: Body,
-    limit: u64,
-    charge: &mut Charge,
-    chunks: &mut Vec<Bytes>,
-    total: &mut u64,
-) -> Result<(), SnoozeError> {
-    let timeout = state.settings.body_read_timeout;
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
-            Err(_) => {
-                return Err(SnoozeError::new(
-                    ErrorKind::RequestTimeout,
-                    format!(
-                        "the request body was not received within body_read_timeout ({:.0}s): {} arrived",
-                        timeout.as_secs_f64(),
-                        fb(*total)
-                    ),
-                ))
-            }
-            Ok(None) => break,
-            Ok(Some(Err(e))) => {
-                return Err(SnoozeError::invalid(format!("cannot read the request body: {e}")))
-            }
-            Ok(Some(Ok(frame))) => frame,
-        };
-        let Ok(data) = frame.into_data() else { continue }; // trailers
-        *total += data.len() as u64;
-        if *total > limit {
-            return Err(too_large(state, limit, "(sent without a Content-Length)"));
-        }
-        charge.grow(data.len() as u64)?;
-        chunks.push(data);
-    }
-    Ok(())
 }
 
 /// An optional JSON body: empty means `T::default()`.
