@@ -18,7 +18,7 @@ use snooze_core::{units::format_bytes as fb, ErrorKind, SnoozeError};
 const RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// A request whose charge reached this gives the heap back when it ends.
-pub const LARGE_REQUEST: u64 = 1 << 20;
+const LARGE_REQUEST: u64 = 1 << 20;
 
 /// Trims asked for within this time of each other are one trim, after the last.
 const TRIM_DELAY: Duration = Duration::from_millis(200);
@@ -35,7 +35,7 @@ static TRIM_PENDING: AtomicBool = AtomicBool::new(false);
 /// that case gives back all but ~1 MiB.) Requests asking within [`TRIM_DELAY`] share
 /// one trim, so clients sending megabytes cannot keep a core trimming. Does nothing
 /// outside a tokio runtime.
-pub fn trim_heap_soon() {
+fn trim_heap_soon() {
     if tokio::runtime::Handle::try_current().is_ok() {
         once_after(&TRIM_PENDING, TRIM_DELAY, snooze_core::memory::trim_heap);
     }
