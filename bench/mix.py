@@ -35,7 +35,8 @@ against the server). No retries: a 429 / 503 is a refusal and counted as such.
     SNOOZE_BIN=/path/to/snooze .venv/bin/python bench/mix.py --seconds 30
 
 Needs only the project venv (numpy), sox and pocketsphinx-testdata (for the clips). The
-tasks, their payloads and checks, and the figures live in bench/mix_tasks.py.
+tasks, their payloads and checks, and the figures live in bench/mix_tasks.py; what is printed, in
+bench/mix_report.py.
 """
 
 import argparse
