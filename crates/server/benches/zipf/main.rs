@@ -29,6 +29,11 @@
 //!    (`warm`); and 300 MiB once more after `snooze prepare` filled its state (no copy
 //!    fits under 300 MiB: only `snooze prepare`, outside the budget, makes them).
 //!
+//! Three more run only when `SNOOZE_ZIPF_ONLY` names them: *zipf-ap* and *zipf-am*, (a)
+//! with `m1` pinned (`weights = "prepacked"` / the default): what any rule that holds the
+//! hot model resident could reach at most; *zipf-bm*, (b) with every model `mapped`: what
+//! the form churned models run in costs without a swap.
+//!
 //! Every run but (d) warms up the same way (one request per model, untimed), so a cold
 //! run differs from its warm one only by the state it starts with.
 //!
@@ -199,6 +204,22 @@ fn main() -> anyhow::Result<()> {
     }
     // `SNOOZE_ZIPF_ONLY=zipf-a,zipf-f400`: only these runs (ids as in the ratios' names).
     if let Ok(only) = std::env::var("SNOOZE_ZIPF_ONLY") {
+        // The ceiling of holding the hot model: `m1` pinned, the other five through the
+        // second slot. Not a configuration to recommend (pinning is the user's call), so
+        // only when asked for.
+        for (label, id, weights) in [
+            ("a. m1 pinned, prepacked", "zipf-ap", "weights = \"prepacked\"\n"),
+            ("a. m1 pinned", "zipf-am", ""),
+        ] {
+            let mut c =
+                config(&models, &six[..1], "max_loaded_models = 2\n", &format!("pinned = true\n{weights}"));
+            c += &config(&models, &six[1..], "", "").replacen("[server]\nkeep_alive = \"-1\"\n", "", 1);
+            runs.push(run(label, id, c, &six, requests));
+        }
+        // And of the runs' form: all six resident as the churned ones run (`mapped`, which
+        // is never promoted when configured), so no swap at all.
+        let mapped = config(&models, &six, "", "weights = \"mapped\"\n");
+        runs.push(run("b. all resident, mapped", "zipf-bm", mapped, &six, requests));
         let ids: Vec<&str> = only.split(',').map(str::trim).collect();
         runs.retain(|r| ids.contains(&r.id));
     }

@@ -129,6 +129,15 @@ pub fn print_ratios(runs: &[Run], outcomes: &[Outcome]) {
             |r| r >= 0.8,
         );
         p99("p99 two-model budget, warm", m("zipf-a"), 150.0);
+        // The ceilings (`SNOOZE_ZIPF_ONLY` only): holding the hot model; no swap at all.
+        for (what, id) in [
+            ("goodput, m1 pinned prepacked (a ceiling) / fully warm", "zipf-ap"),
+            ("goodput, all resident mapped (no swaps) / fully warm", "zipf-bm"),
+        ] {
+            if m(id).is_some() {
+                ratio(what, goodput(id), goodput("zipf-d"), ">= 0.8", |r| r >= 0.8);
+            }
+        }
         ratio(
             "goodput cold (fresh state_dir) / warm, two-model",
             goodput("zipf-e"),
