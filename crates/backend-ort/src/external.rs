@@ -13,17 +13,16 @@
 //! Making it needs no runtime: the protobuf is walked with the zero-copy reader, the
 //! graph's skeleton is rewritten (a few KiB) and each weight's bytes go from file to
 //! file in the kernel (`copy_file_range`), so the copy holds no private memory and
-//! takes ~30-40 ms for 100 MiB in the page cache (weights turned around, below, are
-//! written transposed through a 4 MiB buffer: 160-350 ms for the 100 MiB MLP). That makes
+//! takes ~30-40 ms for 100 MiB in the page cache (weights stored as panels, below, are
+//! rearranged through a 4 MiB buffer: 47-165 ms for the 100 MiB MLP). That makes
 //! it cheap enough for the first load to make, and the one-time conversion to the ORT
 //! format starts from it: measured on the 100 MiB MLP, it peaks at +160 MiB from it
 //! instead of +260 MiB from the `.onnx`, and finishes sooner (426 instead of 646 ms).
 //!
-//! The copy is also where a MatMul whose right-hand side is a big weight gets turned
-//! around (`transpose`): the weight stored transposed and on the left, so that runs
-//! without prepacking never pack it. Such a copy holds a `TRANSPOSED` marker, and the
-//! prepacked copy of its model is made from the `.onnx` instead (prepacking the original
-//! orientation is faster still).
+//! The copy is also where a MatMul whose right-hand side is a big weight gets that weight
+//! stored as panels (`panels`), so that runs without prepacking never pack it by strides.
+//! Such a copy holds a `PANELS` marker, and the prepacked copy of its model is made from
+//! the `.onnx` instead (prepacking the original layout is faster still).
 //!
 //! A model whose weights are already external (a file over 2 GB must be) or that has
 //! none worth moving has no mapped copy: it is loaded from its own files.
@@ -36,8 +35,8 @@ use std::{
 
 use crate::{
     onnx_file::ModelFile,
+    panels::{self, Plan},
     proto::{put_bytes_field, put_varint_field, Fields, RawFields, Value},
-    transpose::{self, Plan},
 };
 
 /// Offsets of the weights in the data file: ONNX Runtime maps a tensor only when its
@@ -48,16 +47,16 @@ pub(crate) const ALIGN: u64 = 64 << 10;
 const MIN_MOVED_BYTES: usize = 4096;
 /// The data file's name, next to the copy's `model.onnx`.
 pub(crate) const DATA_FILE: &str = "model.data";
-/// An empty file beside the copy's `model.onnx` when some of its MatMuls were turned.
-const TRANSPOSED: &str = "TRANSPOSED";
+/// An empty file beside the copy's `model.onnx` when some of its weights are panels.
+const PANELS: &str = "PANELS";
 
-/// Where a weight goes: its bytes as they are, or transposed from `(K, N)` to `N x K`.
+/// Where a weight goes: its bytes as they are, or as the panels of a `(K, N)` matrix.
 pub(crate) type Place<'a> = dyn FnMut(&[u8], Option<(usize, usize)>) -> Result<u64, String> + 'a;
 
-/// A rewritten model and how many of its weights were stored transposed.
+/// A rewritten model and how many of its weights were stored as panels.
 pub(crate) struct Rewritten {
     pub(crate) model: Vec<u8>,
-    pub(crate) transposed: usize,
+    pub(crate) paneled: usize,
 }
 
 /// The mapped copy of `onnx` in `dir` (`dir/model.onnx` + `dir/model.data`), if made.
@@ -70,33 +69,32 @@ pub(crate) fn possible(onnx: &Path) -> bool {
     ModelFile::read(onnx).is_ok_and(|m| m.external_locations.is_empty())
 }
 
-/// Whether the mapped copy `copy` (its `model.onnx`) has MatMuls turned around.
-pub(crate) fn is_transposed(copy: &Path) -> bool {
-    copy.with_file_name(TRANSPOSED).is_file()
+/// Whether the mapped copy `copy` (its `model.onnx`) has weights stored as panels.
+pub(crate) fn has_panels(copy: &Path) -> bool {
+    copy.with_file_name(PANELS).is_file()
 }
 
-/// Whether the mapped copy of `onnx`, once made, would have MatMuls turned around (read
-/// from the graph, not the weights).
-pub(crate) fn would_transpose(onnx: &Path) -> bool {
+/// Whether the mapped copy of `onnx`, once made, would have weights stored as panels
+/// (read from the graph, not the weights).
+pub(crate) fn would_have_panels(onnx: &Path) -> bool {
     let Ok(file) = File::open(onnx) else { return false };
     // SAFETY: as in `copy`: read-only, dropped before returning.
     let Ok(map) = (unsafe { memmap2::Mmap::map(&file) }) else { return false };
     !plan_of(&map).is_empty()
 }
 
-/// What to turn around in the model `buf` (ModelProto: graph = 7): nothing in a model of
-/// an opset before `transpose::MIN_OPSET` (the rewrite's Gemm has no bias), nor in a
-/// graph the plan cannot read (turning is an optimisation; ONNX Runtime judges the graph
-/// when it loads it).
+/// What to store as panels in the model `buf` (ModelProto: graph = 7): nothing in a model
+/// of an opset before `panels::MIN_OPSET`, nor in a graph the plan cannot read (panels
+/// are an optimisation; ONNX Runtime judges the graph when it loads it).
 fn plan_of(buf: &[u8]) -> Plan {
-    if default_opset(buf).is_none_or(|v| v < transpose::MIN_OPSET) {
+    if default_opset(buf).is_none_or(|v| v < panels::MIN_OPSET) {
         return Plan::default();
     }
     let graph = Fields::new(buf).find_map(|f| match f {
         Ok((7, Value::Bytes(graph))) => Some(graph),
         _ => None,
     });
-    graph.and_then(|g| transpose::plan(g).ok()).unwrap_or_default()
+    graph.and_then(|g| panels::plan(g).ok()).unwrap_or_default()
 }
 
 /// The mapped copy of `onnx` in `dir`, made now if it is not there yet (written beside
@@ -148,15 +146,15 @@ fn write_copy(file: &File, map: &[u8], tmp: &Path) -> Result<bool, String> {
     let mut data =
         File::create(&data_path).map_err(|e| format!("cannot create {}: {e}", data_path.display()))?;
     let mut end = 0u64;
-    let mut place = |bytes: &[u8], transposed: Option<(usize, usize)>| -> Result<u64, String> {
+    let mut place = |bytes: &[u8], paneled: Option<(usize, usize)>| -> Result<u64, String> {
         // Where `bytes` sit in the file: they are a slice of `map`, which maps it from 0.
         let from = (bytes.as_ptr() as usize).wrapping_sub(map.as_ptr() as usize) as u64;
         let at = end.next_multiple_of(ALIGN);
         // The gap is a hole (zeros); the bytes go from file to file in the kernel.
         data.seek(SeekFrom::Start(at)).map_err(|e| e.to_string())?;
         let len = bytes.len() as u64;
-        if let Some((k, n)) = transposed {
-            transpose::write_transposed(&mut data, bytes, k, n).map_err(|e| e.to_string())?;
+        if let Some((k, n)) = paneled {
+            panels::write_panels(&mut data, bytes, k, n).map_err(|e| e.to_string())?;
         } else {
             let mut src = file;
             src.seek(SeekFrom::Start(from)).map_err(|e| e.to_string())?;
@@ -173,8 +171,8 @@ fn write_copy(file: &File, map: &[u8], tmp: &Path) -> Result<bool, String> {
     let model_path = tmp.join("model.onnx");
     std::fs::write(&model_path, rewritten.model)
         .map_err(|e| format!("cannot write {}: {e}", model_path.display()))?;
-    if rewritten.transposed > 0 {
-        let mark = tmp.join(TRANSPOSED);
+    if rewritten.paneled > 0 {
+        let mark = tmp.join(PANELS);
         std::fs::write(&mark, b"").map_err(|e| format!("cannot write {}: {e}", mark.display()))?;
     }
     Ok(true)
@@ -183,13 +181,13 @@ fn write_copy(file: &File, map: &[u8], tmp: &Path) -> Result<bool, String> {
 /// The model `buf` with each main-graph initializer's inline `raw_data` of at least
 /// `MIN_MOVED_BYTES` handed to `place` (which stores them and says at which offset of
 /// the data file) and replaced by an external-data reference, and the MatMuls the graph's
-/// `transpose::Plan` names turned around (their weights handed to `place` as transposed);
+/// `panels::Plan` names rewritten (their weights handed to `place` as panels);
 /// every other field is copied as it was encoded. `None` when no tensor was moved. Field
 /// numbers are those of `onnx/onnx.proto3`: ModelProto.graph = 7, GraphProto.node = 1,
 /// GraphProto.initializer = 5.
 pub(crate) fn rewrite(buf: &[u8], place: &mut Place<'_>) -> Result<Option<Rewritten>, String> {
     let mut out = Vec::new();
-    let (mut moved, mut transposed) = (0usize, 0usize);
+    let (mut moved, mut paneled) = (0usize, 0usize);
     let plan = plan_of(buf);
     for field in RawFields::new(buf) {
         match field? {
@@ -202,9 +200,9 @@ pub(crate) fn rewrite(buf: &[u8], place: &mut Place<'_>) -> Result<Option<Rewrit
                             None => g.extend_from_slice(raw),
                         },
                         (5, tensor, raw) => match external_tensor(tensor.bytes(5)?, place, &plan)? {
-                            Some((t, turned)) => {
+                            Some((t, as_panels)) => {
                                 moved += 1;
-                                transposed += usize::from(turned);
+                                paneled += usize::from(as_panels);
                                 put_bytes_field(&mut g, 5, &t);
                             }
                             None => g.extend_from_slice(raw),
@@ -217,7 +215,7 @@ pub(crate) fn rewrite(buf: &[u8], place: &mut Place<'_>) -> Result<Option<Rewrit
             (_, _, raw) => out.extend_from_slice(raw),
         }
     }
-    Ok((moved > 0).then_some(Rewritten { model: out, transposed }))
+    Ok((moved > 0).then_some(Rewritten { model: out, paneled }))
 }
 
 /// The version of the default ONNX domain the model `buf` imports (ModelProto.opset_import
@@ -242,7 +240,8 @@ fn default_opset(buf: &[u8]) -> Option<u64> {
 
 /// A TensorProto whose `raw_data` (9) moved out: the same fields but that one, plus
 /// `external_data` (13: location, offset, length) and `data_location` (14) = EXTERNAL;
-/// for a weight `plan` names, its `dims` (1) swapped and its data transposed (`true`).
+/// for a weight `plan` names, its `dims` (1) those of its panels and its data rearranged
+/// (`true`).
 fn external_tensor(
     buf: &[u8],
     place: &mut Place<'_>,
@@ -259,19 +258,20 @@ fn external_tensor(
         }
     }
     let Some(bytes) = raw_data.filter(|b| b.len() >= MIN_MOVED_BYTES) else { return Ok(None) };
-    let turned = plan.weight(name);
-    let offset = place(bytes, turned)?;
+    let paneled = plan.weight(name);
+    let offset = place(bytes, paneled)?;
     let mut out = Vec::with_capacity(buf.len().min(4096) + 64);
     for field in RawFields::new(buf) {
         match field? {
             (9, _, _) => {}
-            (1, _, _) if turned.is_some() => {}
+            (1, _, _) if paneled.is_some() => {}
             (_, _, raw) => out.extend_from_slice(raw),
         }
     }
-    if let Some((k, n)) = turned {
-        put_varint_field(&mut out, 1, n as u64);
-        put_varint_field(&mut out, 1, k as u64);
+    if let Some((k, n)) = paneled {
+        for dim in [n / panels::PANEL, k, panels::PANEL] {
+            put_varint_field(&mut out, 1, dim as u64);
+        }
     }
     for (key, value) in [
         ("location", DATA_FILE.to_owned()),
@@ -284,7 +284,7 @@ fn external_tensor(
         put_bytes_field(&mut out, 13, &entry);
     }
     put_varint_field(&mut out, 14, 1);
-    Ok(Some((out, turned.is_some())))
+    Ok(Some((out, paneled.is_some())))
 }
 
 #[cfg(test)]
@@ -305,11 +305,11 @@ mod tests {
 
     /// A "data file" in memory, placing each tensor at the next aligned offset.
     fn sink(data: &mut Vec<u8>) -> impl FnMut(&[u8], Option<(usize, usize)>) -> Result<u64, String> + '_ {
-        move |bytes, transposed| {
+        move |bytes, paneled| {
             let at = (data.len() as u64).next_multiple_of(ALIGN);
             data.resize(at as usize, 0);
-            match transposed {
-                Some((k, n)) => transpose::write_transposed(data, bytes, k, n).unwrap(),
+            match paneled {
+                Some((k, n)) => panels::write_panels(data, bytes, k, n).unwrap(),
                 None => data.extend_from_slice(bytes),
             }
             Ok(at)
@@ -377,7 +377,7 @@ mod tests {
     }
 
     #[test]
-    fn a_big_matmul_weight_is_written_transposed_with_its_dims_swapped_and_its_node_turned() {
+    fn a_big_matmul_weight_is_written_as_panels_with_their_dims_and_its_node_rewritten() {
         // x [batch, 256] -> MatMul(x, W [256, 8192]) = y: W is 8 MiB with 8192 columns.
         let (k, n) = (256usize, 8192usize);
         let w: Vec<u8> = (0..(k * n) as u32).flat_map(|v| v.to_le_bytes()).collect();
@@ -398,13 +398,13 @@ mod tests {
         let graph = [bytes_field(1, &matmul), bytes_field(5, &weight), bytes_field(11, &x)].concat();
         let mut data = Vec::new();
         let opset = bytes_field(8, &varint_field(2, 17));
-        let unturned = rewrite(
-            &[bytes_field(7, &graph), bytes_field(8, &varint_field(2, 10))].concat(),
+        let old = rewrite(
+            &[bytes_field(7, &graph), bytes_field(8, &varint_field(2, 4))].concat(),
             &mut sink(&mut Vec::new()),
         );
-        assert_eq!(unturned.unwrap().unwrap().transposed, 0, "opset 10: its Gemm needs a bias");
+        assert_eq!(old.unwrap().unwrap().paneled, 0, "opset 4: its Reshape takes no shape input");
         let out = rewrite(&[bytes_field(7, &graph), opset].concat(), &mut sink(&mut data)).unwrap().unwrap();
-        assert_eq!(out.transposed, 1);
+        assert_eq!(out.paneled, 1);
         let top = fields(&out.model);
         let Value::Bytes(g) = top[0].1 else { panic!() };
         let ops: Vec<String> = fields(g)
@@ -417,14 +417,16 @@ mod tests {
                 String::from_utf8(op.to_vec()).unwrap()
             })
             .collect();
-        assert_eq!(ops, ["Constant", "Constant", "Shape", "Gather", "Equal", "If"]);
+        assert_eq!(ops, ["MatMul", "Transpose", "Constant", "Reshape"]);
         let Value::Bytes(t) = fields(g).into_iter().find(|(f, _)| *f == 5).unwrap().1 else { panic!() };
         let dims: Vec<_> = fields(t).into_iter().filter(|(f, _)| *f == 1).map(|(_, v)| v).collect();
-        assert_eq!(dims, [Value::Varint(n as u64), Value::Varint(k as u64)], "[N, K]");
+        let p = panels::PANEL;
+        assert_eq!(dims, [n / p, k, p].map(|d| Value::Varint(d as u64)), "[N / PANEL, K, PANEL]");
         let stored: Vec<u32> =
             data[..k * n * 4].chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
-        for (row, col) in [(0, 0), (1, 0), (0, 1), (n - 1, k - 1), (517, 33)] {
-            assert_eq!(stored[row * k + col], (col * n + row) as u32, "Wᵀ[{row}][{col}] = W[{col}][{row}]");
+        for (panel, row, col) in [(0, 0, 0), (0, 1, 0), (0, 0, 1), (n / p - 1, k - 1, p - 1), (211, 33, 7)] {
+            let w = row * n + panel * p + col;
+            assert_eq!(stored[(panel * k + row) * p + col], w as u32, "panel {panel} [{row}][{col}]");
         }
     }
 

@@ -31,10 +31,10 @@ mod external;
 mod model;
 mod onnx_file;
 mod owners;
+mod panels;
 mod proto;
 mod sessions;
 mod threads;
-mod transpose;
 mod weights;
 mod whisper;
 
@@ -151,12 +151,12 @@ impl OrtBackend {
         })
     }
 
-    /// Whether the mapped copy of `file` in `dir` has (or, once made, will have) MatMuls
-    /// turned around (see `transpose`).
-    fn transposable(&self, file: &Path, dir: &Path) -> bool {
+    /// Whether the mapped copy of `file` in `dir` has (or, once made, will have) weights
+    /// stored as panels (see `panels`).
+    fn paneled(&self, file: &Path, dir: &Path) -> bool {
         match weights::cached_mapped_copy(file, dir, &self.library) {
-            Some(copy) => external::is_transposed(&copy),
-            None => external::would_transpose(file),
+            Some(copy) => external::has_panels(&copy),
+            None => external::would_have_panels(file),
         }
     }
 
@@ -339,7 +339,7 @@ impl Backend for OrtBackend {
     /// The ORT-format copy (`compact`, `mapped`) or the prepacked copy (`prepacked`) that
     /// does not exist yet, as the peak its conversion holds: about 1.7x the model from
     /// its mapped copy, 2.7x from the `.onnx` (where a prepacked copy of a model whose
-    /// mapped copy has MatMuls turned around is made from).
+    /// mapped copy has weights stored as panels is made from).
     fn preparation(&self, path: &Path, weights: Weights) -> Option<u64> {
         let dir = self.cache_dir.as_deref()?;
         if task_of(path) == Task::Transcription {
@@ -355,7 +355,7 @@ impl Backend for OrtBackend {
             Some(_) => None,
             None => estimate::conversion_peak(
                 path,
-                self.mappable(&file) && !(prepacking && self.transposable(&file, dir)),
+                self.mappable(&file) && !(prepacking && self.paneled(&file, dir)),
             ),
         }
     }

@@ -25,8 +25,8 @@
 //! without the runtime or private memory, loaded in ~4 ms, run as the ORT-format copy
 //! runs. A model that cannot have one loads the `.onnx` without prepacking (~150 ms for
 //! 100 MiB instead of ~300). The one-time conversions start from the mapped copy, but
-//! for a prepacked copy of a model whose mapped copy turned MatMuls around (see
-//! `transpose`): that one starts from the `.onnx`.
+//! for a prepacked copy of a model whose mapped copy stores weights as panels (see
+//! `panels`): that one starts from the `.onnx`.
 //!
 //! The cache (`state_dir/ort-cache/`) is keyed by the model files' fingerprint, the
 //! runtime library and the copies' form (`FORM_LINE`); the user's files are never
@@ -51,11 +51,12 @@ use crate::{
 };
 
 /// What the copies hold, as their `.source` notes it: this changes when a copy made
-/// before would be of no use (form 2: the mapped and ORT-format copies have MatMuls turned
-/// around, see `transpose`). Entries of an earlier form (noted without it, or with
+/// before would be of no use (form 2: the mapped and ORT-format copies had MatMuls turned
+/// around; form 3: their big MatMul weights are stored as panels instead, see `panels`).
+/// Entries of an earlier form (noted without it, or with
 /// another) are removed when a process next writes to the cache, and made again, under
 /// other names (the form is part of their names' hash), as the models need them.
-const FORM_LINE: &str = "form 2";
+const FORM_LINE: &str = "form 3";
 
 /// The bytes a `compact` or `mapped` model is served from: they must outlive its sessions.
 pub(crate) enum ModelBytes {
@@ -186,11 +187,11 @@ fn mapped_copy_dir(onnx: &Path, cache_dir: &Path, runtime: &Path) -> PathBuf {
 /// What a conversion reads: the mapped copy (made now: it takes tens of milliseconds and
 /// no private memory), from which ONNX Runtime converts with a smaller peak (+160 MiB
 /// instead of +260 MiB for the 100 MiB MLP) and sooner; the `.onnx` if there is none, or
-/// if the copy's MatMuls are turned around and the conversion is to the prepacked copy
-/// (see `transpose`: prepacked, the original orientation is the faster one).
+/// if the copy's weights are stored as panels and the conversion is to the prepacked copy
+/// (see `panels`: prepacked, the original layout is the faster one).
 fn conversion_source(onnx: &Path, cache_dir: &Path, runtime: &Path, prepacking: bool) -> PathBuf {
     match mapped_copy(onnx, cache_dir, runtime) {
-        Ok(Some(copy)) if prepacking && external::is_transposed(&copy) => onnx.to_path_buf(),
+        Ok(Some(copy)) if prepacking && external::has_panels(&copy) => onnx.to_path_buf(),
         Ok(Some(copy)) => copy,
         Ok(None) => onnx.to_path_buf(),
         Err(e) => {

@@ -23,7 +23,7 @@ fn floats(out: &[Tensor]) -> Vec<f32> {
 }
 
 /// The model's reference rows, an 8-row batch of its first, scaled row by row, and that
-/// row alone (a turned model runs one row and several by different branches).
+/// row alone.
 fn inputs() -> Vec<Vec<Tensor>> {
     let text = std::fs::read_to_string(model("mlp-100m-1").join("reference.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -70,18 +70,18 @@ fn every_profile_gives_the_same_outputs() {
     let compact = run(Weights::Compact);
     let mapped = run(Weights::Mapped);
     assert_eq!(compact, mapped, "the same kernels over the same bytes: bit for bit");
-    // The mapped copy, whose MatMuls are turned around (the weights stored transposed, on
-    // the left: no run packs them), runs as the ORT-format copy made from it, bit for bit.
+    // The mapped copy, whose MatMul weights are stored as panels (no run packs them by
+    // strides), runs as the ORT-format copy made from it, bit for bit.
     assert_eq!(unconverted, mapped, "an unconverted mapped load runs as its converted copy does");
     let copies: Vec<_> = std::fs::read_dir(cache.path()).unwrap().map(|e| e.unwrap().path()).collect();
     let copy = copies.iter().find(|p| p.extension().is_some_and(|e| e == "mapped")).unwrap();
-    assert!(copy.join("TRANSPOSED").is_file(), "the MLP's mapped copy has its MatMuls turned: {copies:?}");
+    assert!(copy.join("PANELS").is_file(), "the MLP's mapped copy has its weights as panels: {copies:?}");
     // Other kernels, other summation order (the .onnx without prepacking, the prepacked
     // copy made from the .onnx): within 1e-5 of the output's scale, and not bit for bit
     // (or the comparisons would prove nothing).
-    assert_ne!(from_onnx, mapped, "the .onnx runs the MatMuls the other way round");
-    // The prepacked copy is made from the .onnx, not from the turned copy: it runs as the
-    // .onnx prepacked at load does (the original orientation prepacked is the fastest).
+    assert_ne!(from_onnx, mapped, "the .onnx runs the MatMuls panel by panel");
+    // The prepacked copy is made from the .onnx, not from the paneled copy: it runs as the
+    // .onnx prepacked at load does (the original layout prepacked is the fastest).
     let default = {
         let m = backend().load(&spec("mlp-100m-1", Weights::Prepacked)).unwrap();
         inputs().iter().map(|i| floats(&m.infer(i, &[]).unwrap())).collect::<Vec<_>>()
@@ -106,6 +106,13 @@ fn every_profile_gives_the_same_outputs() {
     assert!(diff <= 1e-4, "mapped differs from numpy by {diff}");
 }
 
+/// The peak of a conversion from the `.onnx` in `folder`.
+fn from_onnx_of(folder: &std::path::Path) -> u64 {
+    snooze_backend_ort::estimate::conversion_peak_of(
+        std::fs::metadata(folder.join("model.onnx")).unwrap().len(),
+    )
+}
+
 #[test]
 fn the_ort_format_copy_is_cached_once_outside_the_users_files() {
     let dir = cache_dir("once");
@@ -121,10 +128,15 @@ fn the_ort_format_copy_is_cached_once_outside_the_users_files() {
         backend().with_cache_dir(cache_dir("no-copy").path()).preparation(&folder, Weights::Mapped),
         Some(peak)
     );
-    // So is its prepacked copy; a model whose MatMuls its mapped copy turns around has its
-    // prepacked copy made from the .onnx, at the .onnx's peak, before and after the mapped
-    // copy exists.
-    assert_eq!(b.preparation(&folder, Weights::Prepacked), Some(peak));
+    // Its prepacked copy is made from the .onnx, at the .onnx's peak, as is every model's
+    // whose mapped copy stores weights as panels (its 5 MiB matrices), before and after
+    // the mapped copy exists; a model without (the OCR detector: convolutions) has its
+    // prepacked copy made from its mapped copy too.
+    assert_eq!(b.preparation(&folder, Weights::Prepacked), Some(from_onnx));
+    let det = model("ocr-det");
+    let plain = backend().with_cache_dir(cache_dir("once-det").path());
+    assert!(plain.preparation(&det, Weights::Prepacked).is_some_and(|p| p < from_onnx_of(&det)));
+    assert_eq!(plain.preparation(&det, Weights::Prepacked), plain.preparation(&det, Weights::Mapped));
     let big = model("mlp-100m-1");
     let big_file = std::fs::metadata(big.join("model.onnx")).unwrap().len();
     let big_peak = snooze_backend_ort::estimate::conversion_peak_of(big_file);
@@ -133,7 +145,7 @@ fn the_ort_format_copy_is_cached_once_outside_the_users_files() {
     assert_eq!(b2.preparation(&big, Weights::Prepacked), Some(big_peak));
     assert!(b2.preparation(&big, Weights::Mapped).is_some_and(|p| p < big_peak));
     drop(b2.load(&spec("mlp-100m-1", Weights::Mapped)).unwrap());
-    assert_eq!(b2.preparation(&big, Weights::Prepacked), Some(big_peak), "the made copy is turned");
+    assert_eq!(b2.preparation(&big, Weights::Prepacked), Some(big_peak), "the made copy has panels");
     drop(b.load(&spec("mlp-10m", Weights::Mapped)).unwrap());
     let listed = || {
         // Each copy's `.source` note (which model version it was made from) is checked
@@ -232,6 +244,7 @@ fn a_broken_mapped_copy_is_replaced_by_the_onnx_and_made_again() {
     let run = |m: &dyn snooze_core::LoadedModel| floats(&m.infer(&inputs()[0], &[]).unwrap());
     let m = b.load(&spec("mlp-10m", Weights::Mapped)).unwrap();
     assert!(m.mapped_bytes() > 0, "served from its mapped copy");
+    let first = run(m.as_ref());
     drop(m);
     let copy = std::fs::read_dir(&dir)
         .unwrap()
@@ -247,9 +260,16 @@ fn a_broken_mapped_copy_is_replaced_by_the_onnx_and_made_again() {
     assert!(!copy.exists(), "the broken copy is gone");
     let m = b.load(&spec("mlp-10m", Weights::Mapped)).unwrap();
     assert!(m.mapped_bytes() > 0 && copy.join("model.data").is_file(), "made again by the next load");
-    // Its 5 MiB weights are too small to be turned around (see `transpose` in the crate).
-    assert!(!copy.join("TRANSPOSED").exists());
-    assert_eq!(run(m.as_ref()), from_onnx);
+    // Its 5 MiB weights are stored as panels (see `panels` in the crate): the copy made
+    // again runs as the first did, bit for bit, and as the .onnx does, to rounding.
+    assert!(copy.join("PANELS").is_file());
+    let again = run(m.as_ref());
+    assert_eq!(again, first);
+    let (scale, worst) = (max_abs(&from_onnx), max_abs_diff(&from_onnx, &again));
+    assert!(
+        worst <= 1e-5 * scale && worst > 0.0,
+        "differs by {worst:e} from the .onnx, output scale {scale}"
+    );
 }
 
 /// The cache entries of `dir` whose names end with `suffix`.
