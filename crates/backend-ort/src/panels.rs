@@ -44,10 +44,10 @@ pub(crate) const MIN_OPSET: u64 = 5;
 /// 100 MiB MLP (2 cores), 32, 64 and 128 were slower on 2-8 rows (1.1-1.4x) and no faster
 /// on one.
 pub(crate) const PANEL: usize = 16;
-/// Smaller weights gain too little (measured on 2 cores, no prepacking, against the weights
-/// as they are: 5 MiB matrices (the 10 MiB MLP) 0.81-0.93x on one row, 0.70-0.89x on 2-8,
-/// 0.93x on 16; 2 MiB 0.9x on one row, 0.7x on 2-8, 1.0x on 16; 1 MiB 1.1x on one row,
-/// 0.85-1.0x on 2-8, 1.2x on 16).
+/// Smaller weights gain less (measured on 2 cores, no prepacking, against the weights as
+/// they are: 5 MiB matrices (the 10 MiB MLP) 0.81-0.93x on one row, 0.70-0.89x on 2-8,
+/// 0.93x on 16; 2 MiB 0.9x, 0.7x and 1.0x, hundredths of a millisecond; 1 MiB 1.1x on one
+/// row and 1.2x on 16, where the added nodes cost more than the packing they save).
 const MIN_BYTES: usize = 4 << 20;
 /// Fewer panels than 16 (`N / PANEL`) give the threads, which share them out, little to share.
 const MIN_COLUMNS: usize = 256;
@@ -150,12 +150,10 @@ impl Plan {
             return Ok(None);
         }
         let n = parse_node(node)?;
-        let Some(&(_, columns)) = self.weights.get(n.inputs.get(1).copied().unwrap_or_default()) else {
-            return Ok(None);
-        };
         if !n.is_matmul() {
             return Ok(None);
         }
+        let Some(&(_, columns)) = self.weights.get(n.inputs[1]) else { return Ok(None) };
         let (a, w, y) = (n.inputs[0], n.inputs[1], n.outputs[0]);
         let t = Names::of(y);
         let named =
