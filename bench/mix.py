@@ -59,11 +59,10 @@ sys.path.insert(0, HERE)
 
 from embeddings import (MODELS, ROOT, Background, loadavg, machine_info, ort_dylib, proc_cpu_seconds,  # noqa: E402
                         status_bytes)
-from mix_report import print_comparison, print_footprints, print_run  # noqa: E402
+from mix_report import MIB, print_comparison, print_footprints, print_run  # noqa: E402
 from mix_tasks import Task, build_tasks, heavy_intervals  # noqa: E402
 
 BINARY = os.environ.get("SNOOZE_BIN") or os.path.join(ROOT, "target", "release", "snooze")
-MIB = 1 << 20
 MODEL_TABLES = """\
 [models.whisper-tiny-en]
 path = "{m}/whisper-tiny-en"

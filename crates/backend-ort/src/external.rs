@@ -269,7 +269,7 @@ fn external_tensor(
         }
     }
     if let Some((k, n)) = paneled {
-        for dim in [n / panels::PANEL, k, panels::PANEL] {
+        for dim in panels::stored_dims(k, n) {
             put_varint_field(&mut out, 1, dim as u64);
         }
     }

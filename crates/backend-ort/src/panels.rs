@@ -361,6 +361,11 @@ fn int64_vector(values: &[i64]) -> Vec<u8> {
     out
 }
 
+/// The shape a `k x n` weight is stored in as panels.
+pub(crate) fn stored_dims(k: usize, n: usize) -> [usize; 3] {
+    [n / PANEL, k, PANEL]
+}
+
 /// Writes the `k x n` matrix of 4-byte elements `bytes` (row-major) as its panels,
 /// `[n / PANEL, k, PANEL]`, a few MiB at a time: the weight is read in place (a mapping),
 /// never held whole.

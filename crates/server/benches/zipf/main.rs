@@ -211,9 +211,9 @@ fn main() -> anyhow::Result<()> {
             ("a. m1 pinned, prepacked", "zipf-ap", "weights = \"prepacked\"\n"),
             ("a. m1 pinned", "zipf-am", ""),
         ] {
-            let mut c =
-                config(&models, &six[..1], "max_loaded_models = 2\n", &format!("pinned = true\n{weights}"));
-            c += &config(&models, &six[1..], "", "").replacen("[server]\nkeep_alive = \"-1\"\n", "", 1);
+            let pinned = format!("pinned = true\n{weights}");
+            let c = config(&models, &six[..1], "max_loaded_models = 2\n", &pinned)
+                + &tables(&models, &six[1..], "");
             runs.push(run(label, id, c, &six, requests));
         }
         // And of the runs' form: all six resident as the churned ones run (`mapped`, which
@@ -275,11 +275,15 @@ fn env_count(name: &str, default: usize) -> anyhow::Result<usize> {
 /// `keep_alive = "-1"` (a model leaves only by eviction) plus `server_extra`; every model
 /// gets `model_extra`.
 fn config(models: &Path, list: &[(String, String)], server_extra: &str, model_extra: &str) -> String {
-    let mut c = format!("[server]\nkeep_alive = \"-1\"\n{server_extra}");
-    for (name, file) in list {
-        c += &format!("[models.{name}]\npath = \"{}\"\n{model_extra}", models.join(file).display());
-    }
-    c
+    format!("[server]\nkeep_alive = \"-1\"\n{server_extra}") + &tables(models, list, model_extra)
+}
+
+/// A `[models.NAME]` table for each of `list`, each with `model_extra`.
+fn tables(models: &Path, list: &[(String, String)], model_extra: &str) -> String {
+    let table = |(name, file): &(String, String)| {
+        format!("[models.{name}]\npath = \"{}\"\n{model_extra}", models.join(file).display())
+    };
+    list.iter().map(table).collect()
 }
 
 fn load_average() -> String {
