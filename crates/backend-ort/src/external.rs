@@ -35,6 +35,7 @@ use std::{
 
 use crate::{
     onnx_file::ModelFile,
+    panel_op,
     panels::{self, Plan},
     proto::{put_bytes_field, put_varint_field, Fields, RawFields, Value},
 };
@@ -84,10 +85,11 @@ pub(crate) fn would_have_panels(onnx: &Path) -> bool {
 }
 
 /// What to store as panels in the model `buf` (ModelProto: graph = 7): nothing in a model
-/// of an opset before `panels::MIN_OPSET`, nor in a graph the plan cannot read (panels
-/// are an optimisation; ONNX Runtime judges the graph when it loads it).
+/// that does not import the default domain or already imports `panel_op::DOMAIN`, nor in
+/// a graph the plan cannot read (panels are an optimisation; ONNX Runtime judges the
+/// graph when it loads it).
 fn plan_of(buf: &[u8]) -> Plan {
-    if default_opset(buf).is_none_or(|v| v < panels::MIN_OPSET) {
+    if opset(buf, &["", "ai.onnx"]).is_none() || opset(buf, &[panel_op::DOMAIN]).is_some() {
         return Plan::default();
     }
     let graph = Fields::new(buf).find_map(|f| match f {
@@ -196,7 +198,7 @@ pub(crate) fn rewrite(buf: &[u8], place: &mut Place<'_>) -> Result<Option<Rewrit
                 for field in RawFields::new(graph.bytes(7)?) {
                     match field? {
                         (1, node, raw) => match plan.rewrite_node(node.bytes(1)?)? {
-                            Some(nodes) => nodes.iter().for_each(|n| put_bytes_field(&mut g, 1, n)),
+                            Some(node) => put_bytes_field(&mut g, 1, &node),
                             None => g.extend_from_slice(raw),
                         },
                         (5, tensor, raw) => match external_tensor(tensor.bytes(5)?, place, &plan)? {
@@ -215,12 +217,19 @@ pub(crate) fn rewrite(buf: &[u8], place: &mut Place<'_>) -> Result<Option<Rewrit
             (_, _, raw) => out.extend_from_slice(raw),
         }
     }
+    if paneled > 0 {
+        // The rewritten MatMuls' operator (OperatorSetIdProto: domain = 1, version = 2).
+        let mut set = Vec::new();
+        put_bytes_field(&mut set, 1, panel_op::DOMAIN.as_bytes());
+        put_varint_field(&mut set, 2, panel_op::VERSION);
+        put_bytes_field(&mut out, 8, &set);
+    }
     Ok((moved > 0).then_some(Rewritten { model: out, paneled }))
 }
 
-/// The version of the default ONNX domain the model `buf` imports (ModelProto.opset_import
+/// The version of the first of `domains` the model `buf` imports (ModelProto.opset_import
 /// = 8; OperatorSetIdProto domain = 1, version = 2).
-fn default_opset(buf: &[u8]) -> Option<u64> {
+fn opset(buf: &[u8], domains: &[&str]) -> Option<u64> {
     for field in Fields::new(buf) {
         let Ok((8, Value::Bytes(set))) = field else { continue };
         let (mut domain, mut version) = ("", None);
@@ -231,7 +240,7 @@ fn default_opset(buf: &[u8]) -> Option<u64> {
                 _ => {}
             }
         }
-        if matches!(domain, "" | "ai.onnx") {
+        if domains.contains(&domain) {
             return version;
         }
     }
@@ -398,13 +407,25 @@ mod tests {
         let graph = [bytes_field(1, &matmul), bytes_field(5, &weight), bytes_field(11, &x)].concat();
         let mut data = Vec::new();
         let opset = bytes_field(8, &varint_field(2, 17));
-        let old = rewrite(
-            &[bytes_field(7, &graph), bytes_field(8, &varint_field(2, 4))].concat(),
-            &mut sink(&mut Vec::new()),
-        );
-        assert_eq!(old.unwrap().unwrap().paneled, 0, "opset 4: its Reshape takes no shape input");
-        let out = rewrite(&[bytes_field(7, &graph), opset].concat(), &mut sink(&mut data)).unwrap().unwrap();
+        let ours = bytes_field(8, &[bytes_field(1, b"ai.snooze"), varint_field(2, 1)].concat());
+        for (model, why) in [
+            (bytes_field(7, &graph), "no default domain imported"),
+            ([bytes_field(7, &graph), opset.clone(), ours.clone()].concat(), "ai.snooze imported already"),
+        ] {
+            let out = rewrite(&model, &mut sink(&mut Vec::new())).unwrap().unwrap();
+            assert_eq!(out.paneled, 0, "{why}");
+        }
+        let out = rewrite(&[bytes_field(7, &graph), opset.clone()].concat(), &mut sink(&mut data))
+            .unwrap()
+            .unwrap();
         assert_eq!(out.paneled, 1);
+        // The operator's domain is imported beside the model's own.
+        let imports: Vec<_> = fields(&out.model).into_iter().filter(|(f, _)| *f == 8).collect();
+        let [(8, Value::Bytes(default)), (8, Value::Bytes(added))] = imports[..] else {
+            panic!("{imports:?}")
+        };
+        assert_eq!(default, &varint_field(2, 17)[..]);
+        assert_eq!(added, &ours[2..], "ai.snooze, version 1");
         let top = fields(&out.model);
         let Value::Bytes(g) = top[0].1 else { panic!() };
         let ops: Vec<String> = fields(g)
@@ -417,7 +438,7 @@ mod tests {
                 String::from_utf8(op.to_vec()).unwrap()
             })
             .collect();
-        assert_eq!(ops, ["MatMul", "Transpose", "Constant", "Reshape"]);
+        assert_eq!(ops, ["PanelMatMul"]);
         let Value::Bytes(t) = fields(g).into_iter().find(|(f, _)| *f == 5).unwrap().1 else { panic!() };
         let dims: Vec<_> = fields(t).into_iter().filter(|(f, _)| *f == 1).map(|(_, v)| v).collect();
         let p = panels::PANEL;

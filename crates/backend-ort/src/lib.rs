@@ -31,6 +31,8 @@ mod external;
 mod model;
 mod onnx_file;
 mod owners;
+mod panel_gemm;
+mod panel_op;
 mod panels;
 mod proto;
 mod sessions;

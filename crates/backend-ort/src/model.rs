@@ -218,7 +218,8 @@ pub(crate) fn serving_builder(
         Ok(Session::builder(&backend.env)?
             .with_optimization_level(ort::session::builder::GraphOptimizationLevel::All)?
             .with_prepacking(prepack)?
-            .with_memory_pattern(backend.memory_pattern)?)
+            .with_memory_pattern(backend.memory_pattern)?
+            .with_operators(crate::panel_op::domain()?)?)
     })()
     .map_err(|e| e.message().to_string())?;
     threads::with_threads(builder, spec, backend.pool)

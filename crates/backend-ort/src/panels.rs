@@ -1,32 +1,28 @@
-//! The MatMuls of the unpacked forms, their weights stored in panels so that no run
-//! packs a weight by strides.
+//! The MatMuls of the unpacked forms, their weights stored in panels that a run reads in
+//! place.
 //!
 //! ONNX Runtime's CPU MatMul (MLAS SGEMM) copies its right-hand operand into panels of
 //! 16 columns (a panel: `K` rows of 16 elements) before it multiplies, unless the operand
 //! is a constant the session prepacked at load. The `mapped` and `compact` forms do not
 //! prepack (their weights are used in place, which is what makes their loads take
-//! milliseconds), so every run of two rows or more packs each weight matrix again, 64
+//! milliseconds), so every run of two rows or more packed each weight matrix again, 64
 //! bytes from each of its rows at a time: on the Zipf benchmark's 100 MiB MLP under churn
 //! that copy was 62% of the server's CPU (`bench/README.md`). The copy instead stores a
-//! big weight `W` (`K x N`) as its panels, `[N / PANEL, K, PANEL]`, and the MatMul reads
-//! them as a batch: `A` (`M x K`) broadcast over the `N / PANEL` panels, one `M x K` by
-//! `K x PANEL` product each, whose right-hand side the runtime still packs, but from 4
-//! KiB of contiguous memory into the caches it is read from; `Transpose` and `Reshape`
-//! put the `N / PANEL` slices of `M x PANEL` back side by side as `M x N`. Measured on the
-//! 100 MiB MLP (2 cores, ONNX Runtime 1.32, against a prepacked session): one row 1.03x,
-//! 2-8 rows 1.41-1.54x, 16 rows 1.50x, 64 rows 1.25x; the weight as it is 1.39x, 2.0-2.15x,
-//! 1.84x, 1.27x; the copy before this one (the weight stored transposed and put on the
-//! left) 1.26x, 1.63-1.96x, 1.25x, 1.08x: faster only from 16 rows, where a model that
-//! stays is promoted to prepacked anyway.
+//! big weight `W` (`K x N`) as its panels, `[N / PANEL, K, PANEL]`, and its MatMul becomes
+//! `ai.snooze.PanelMatMul` (`panel_op`), whose kernel (`panel_gemm`) multiplies from the
+//! panels where they lie, as MLAS does from a prepacked buffer. Measured on the 100 MiB
+//! MLP (2 cores, ONNX Runtime 1.32), against a prepacked session: 0.86-0.91x its time on
+//! 1-8 rows, 0.77x on 16; the weight as it is took 1.39x, 2.0-2.15x and 1.84x; the
+//! panels multiplied by ONNX Runtime's own batched MatMul (the copy before this one, which
+//! still packed each panel) 1.03x, 1.41-1.54x and 1.50x.
 //!
 //! Rewritten: a main-graph `MatMul(A, W)` whose `W` is an inline FLOAT initializer of
 //! shape `[K, N]` with `N` a multiple of `PANEL`, `N >= MIN_COLUMNS` and at least
 //! `MIN_BYTES` (4 MiB), every use of which is such a MatMul, and whose `A` is known to
 //! have rank 2 (from the graph's declared inputs and value infos, carried through
-//! elementwise ops), in a model of opset `MIN_OPSET` or later. The panels are stored under
-//! `W`'s name (see `Plan::rewrite_node` for the nodes). Each output element is the same
-//! sum over the same `K` by another kernel, so outputs agree to rounding, not bit for bit.
-//! A prepacked session is faster still, and packs nothing at run time either; the
+//! elementwise ops). The panels are stored under `W`'s name, and the model imports the
+//! operator's domain (`external::rewrite`). Each output element is the same sum over the
+//! same `K` by another kernel, so outputs agree to rounding, not bit for bit. The
 //! prepacked copy is made from the `.onnx`. Graphs with subgraphs (`If`, `Loop`, `Scan`)
 //! are left as they are: an outer weight may be used inside them.
 
@@ -34,15 +30,11 @@ use std::collections::{HashMap, HashSet};
 
 use crate::{
     onnx_file::declared_rank,
-    proto::{put_bytes_field, put_varint_field, Fields},
+    panel_op,
+    proto::{put_bytes_field, Fields},
 };
 
-/// The default domain's version a model must import: the rewrite's `Reshape` takes its
-/// shape as an input (opset 5).
-pub(crate) const MIN_OPSET: u64 = 5;
-/// Columns in a panel: MLAS's SGEMM kernel computes 16 columns at a time. Measured on the
-/// 100 MiB MLP (2 cores), 32, 64 and 128 were slower on 2-8 rows (1.1-1.4x) and no faster
-/// on one.
+/// Columns in a panel: a 16-float vector register (two 8-float ones), as MLAS packs them.
 pub(crate) const PANEL: usize = 16;
 /// Smaller weights gain less (measured on 2 cores, no prepacking, against the weights as
 /// they are: 5 MiB matrices (the 10 MiB MLP) 0.81-0.93x on one row, 0.70-0.89x on 2-8,
@@ -110,27 +102,6 @@ impl Node<'_> {
     }
 }
 
-/// The tensors a rewritten MatMul's nodes add, named after its output.
-struct Names {
-    /// `[N / PANEL, M, PANEL]`: the product with each panel.
-    slices: String,
-    /// `[M, N / PANEL, PANEL]`.
-    rows: String,
-    /// `[0, N]`, for the `Reshape`.
-    shape: String,
-}
-
-impl Names {
-    fn of(output: &str) -> Names {
-        let name = |what: &str| format!("{output}/snooze_panels_{what}");
-        Names { slices: name("slices"), rows: name("rows"), shape: name("shape") }
-    }
-
-    fn all(&self) -> [&str; 3] {
-        [&self.slices, &self.rows, &self.shape]
-    }
-}
-
 impl Plan {
     pub(crate) fn is_empty(&self) -> bool {
         self.weights.is_empty()
@@ -142,36 +113,18 @@ impl Plan {
         self.weights.get(name).copied()
     }
 
-    /// The nodes that replace `node` (a NodeProto), or `None` if it stays as it is: for
-    /// `y = MatMul(A, W)`, `W` stored as panels,
-    /// `y = Reshape(Transpose(MatMul(A, W), perm = [1, 0, 2]), [0, N])`.
-    pub(crate) fn rewrite_node(&self, node: &[u8]) -> Result<Option<Vec<Vec<u8>>>, String> {
+    /// The node that replaces `node` (a NodeProto), or `None` if it stays as it is: for
+    /// `y = MatMul(A, W)`, `W` stored as panels, `y = ai.snooze.PanelMatMul(A, W)` (see
+    /// `panel_op`), under the same name.
+    pub(crate) fn rewrite_node(&self, node: &[u8]) -> Result<Option<Vec<u8>>, String> {
         if self.is_empty() {
             return Ok(None);
         }
         let n = parse_node(node)?;
-        if !n.is_matmul() {
+        if !n.is_matmul() || !self.weights.contains_key(n.inputs[1]) {
             return Ok(None);
         }
-        let Some(&(_, columns)) = self.weights.get(n.inputs[1]) else { return Ok(None) };
-        let (a, w, y) = (n.inputs[0], n.inputs[1], n.outputs[0]);
-        let t = Names::of(y);
-        let named =
-            |what: &str| if n.name.is_empty() { String::new() } else { format!("{}/snooze_{what}", n.name) };
-        let columns = i64::try_from(columns).map_err(|_| format!("{w}: {columns} columns"))?;
-        let shape = attribute_tensor("value", &int64_vector(&[0, columns]));
-        Ok(Some(vec![
-            encode_node(&named("panels"), "MatMul", &[a, w], &t.slices, &[]),
-            encode_node(
-                &named("rows"),
-                "Transpose",
-                &[&t.slices],
-                &t.rows,
-                &[attribute_ints("perm", &[1, 0, 2])],
-            ),
-            encode_node(&named("shape"), "Constant", &[], &t.shape, &[shape]),
-            encode_node(n.name, "Reshape", &[&t.rows, &t.shape], y, &[]),
-        ]))
+        Ok(Some(encode_node(n.name, panel_op::NAME, panel_op::DOMAIN, &n.inputs, n.outputs[0])))
     }
 }
 
@@ -212,9 +165,6 @@ pub(crate) fn plan(graph: &[u8]) -> Result<Plan, String> {
             ranks.entry((*out).to_owned()).or_insert(rank);
         }
     }
-    let mut names: HashSet<&str> = initializers.keys().copied().collect();
-    names.extend(nodes.iter().flat_map(|n| n.inputs.iter().chain(&n.outputs).copied()));
-    names.extend(interface.iter().map(String::as_str));
     // Per weight: (uses, uses as the right-hand side of a MatMul that can be rewritten).
     let mut uses: HashMap<&str, (usize, usize)> = HashMap::new();
     for n in &nodes {
@@ -224,10 +174,7 @@ pub(crate) fn plan(graph: &[u8]) -> Result<Plan, String> {
             }
             let counts = uses.entry(input).or_default();
             counts.0 += 1;
-            let rewritable = i == 1
-                && n.is_matmul()
-                && ranks.get(n.inputs[0]) == Some(&2)
-                && !Names::of(n.outputs[0]).all().iter().any(|t| names.contains(t));
+            let rewritable = i == 1 && n.is_matmul() && ranks.get(n.inputs[0]) == Some(&2);
             counts.1 += usize::from(rewritable);
         }
     }
@@ -317,8 +264,9 @@ fn initializer(buf: &[u8]) -> Result<Initializer<'_>, String> {
     Ok((name, dims.len(), candidate))
 }
 
-/// A NodeProto of the default domain with its AttributeProtos, encoded.
-fn encode_node(name: &str, op: &str, inputs: &[&str], output: &str, attributes: &[Vec<u8>]) -> Vec<u8> {
+/// A NodeProto of `domain`, without attributes, encoded (NodeProto: input = 1, output =
+/// 2, name = 3, op_type = 4, domain = 7).
+fn encode_node(name: &str, op: &str, domain: &str, inputs: &[&str], output: &str) -> Vec<u8> {
     let mut out = Vec::new();
     for input in inputs {
         put_bytes_field(&mut out, 1, input.as_bytes());
@@ -328,36 +276,7 @@ fn encode_node(name: &str, op: &str, inputs: &[&str], output: &str, attributes: 
         put_bytes_field(&mut out, 3, name.as_bytes());
     }
     put_bytes_field(&mut out, 4, op.as_bytes());
-    for attribute in attributes {
-        put_bytes_field(&mut out, 5, attribute);
-    }
-    out
-}
-
-// AttributeProto: name = 1, t = 5, ints = 8, type = 20 (TENSOR = 4, INTS = 7).
-fn attribute(name: &str, kind: u64, value: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
-    let mut out = Vec::new();
-    put_bytes_field(&mut out, 1, name.as_bytes());
-    value(&mut out);
-    put_varint_field(&mut out, 20, kind);
-    out
-}
-
-fn attribute_ints(name: &str, values: &[u64]) -> Vec<u8> {
-    attribute(name, 7, |out| values.iter().for_each(|v| put_varint_field(out, 8, *v)))
-}
-
-fn attribute_tensor(name: &str, tensor: &[u8]) -> Vec<u8> {
-    attribute(name, 4, |out| put_bytes_field(out, 5, tensor))
-}
-
-/// A TensorProto of a vector of INT64 (dims = 1, data_type = 2: INT64 = 7, raw_data = 9).
-fn int64_vector(values: &[i64]) -> Vec<u8> {
-    let mut out = Vec::new();
-    put_varint_field(&mut out, 1, values.len() as u64);
-    put_varint_field(&mut out, 2, 7);
-    let raw: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-    put_bytes_field(&mut out, 9, &raw);
+    put_bytes_field(&mut out, 7, domain.as_bytes());
     out
 }
 

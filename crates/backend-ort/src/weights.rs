@@ -52,11 +52,12 @@ use crate::{
 
 /// What the copies hold, as their `.source` notes it: this changes when a copy made
 /// before would be of no use (form 2: the mapped and ORT-format copies had MatMuls turned
-/// around; form 3: their big MatMul weights are stored as panels instead, see `panels`).
+/// around; form 3: their big MatMul weights are stored as panels instead, see `panels`;
+/// form 4: those MatMuls are `ai.snooze.PanelMatMul`, which reads the panels in place).
 /// Entries of an earlier form (noted without it, or with
 /// another) are removed when a process next writes to the cache, and made again, under
 /// other names (the form is part of their names' hash), as the models need them.
-const FORM_LINE: &str = "form 3";
+const FORM_LINE: &str = "form 4";
 
 /// The bytes a `compact` or `mapped` model is served from: they must outlive its sessions.
 pub(crate) enum ModelBytes {
@@ -247,6 +248,7 @@ pub(crate) fn ort_format_file(
 /// CPUs: no layout transforms for one instruction set), in the ORT format.
 fn convert(env: &Environment, onnx: &Path, to: &Path) -> ort::Result<()> {
     let builder = Session::builder(env)?
+        .with_operators(crate::panel_op::domain()?)?
         .with_optimization_level(GraphOptimizationLevel::Level2)?
         .with_prepacking(false)?
         .with_config_entry("session.save_model_format", "ORT")?;

@@ -192,7 +192,7 @@ fn a_mapped_copy_notes_its_source_and_goes_when_a_new_version_is_copied() {
     let noted_path = std::path::absolute(&onnx).unwrap();
     assert_eq!(
         noted,
-        format!("{}\n{}\nform 3\n", noted_path.display(), snooze_core::learned::fingerprint(&onnx))
+        format!("{}\n{}\n{FORM_LINE}\n", noted_path.display(), snooze_core::learned::fingerprint(&onnx))
     );
     // A new version of the model at the same path (the same graph and weights, one
     // byte longer: an empty field at the end): its first copy removes the old one.
