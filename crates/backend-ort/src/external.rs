@@ -78,10 +78,15 @@ pub(crate) fn has_panels(copy: &Path) -> bool {
 /// Whether the mapped copy of `onnx`, once made, would have weights stored as panels
 /// (read from the graph, not the weights).
 pub(crate) fn would_have_panels(onnx: &Path) -> bool {
-    let Ok(file) = File::open(onnx) else { return false };
+    paneled_share(onnx) > 0.0
+}
+
+/// The share of `onnx`'s weight bytes its mapped copy stores (or would store) as panels.
+pub(crate) fn paneled_share(onnx: &Path) -> f64 {
+    let Ok(file) = File::open(onnx) else { return 0.0 };
     // SAFETY: as in `copy`: read-only, dropped before returning.
-    let Ok(map) = (unsafe { memmap2::Mmap::map(&file) }) else { return false };
-    !plan_of(&map).is_empty()
+    let Ok(map) = (unsafe { memmap2::Mmap::map(&file) }) else { return 0.0 };
+    plan_of(&map).share()
 }
 
 /// What to store as panels in the model `buf` (ModelProto: graph = 7): nothing in a model

@@ -47,6 +47,10 @@ const HOW_TO_FIX: &str = "run `make prepare` (it installs onnxruntime into .venv
 
 /// ONNX Runtime can be loaded once per process: the library it was loaded from
 /// and the environment every session shares, or why that failed.
+/// The share of a model's weight bytes stored as panels from which it runs as fast from
+/// its mapped copy as prepacked (`OrtBackend::prepacking_gains`): an MLP's are all
+/// panels but its biases.
+const PANELED_ENOUGH: f64 = 0.9;
 static RUNTIME: OnceLock<Result<(PathBuf, Environment, ThreadPool), String>> = OnceLock::new();
 
 /// The `onnx` backend. Cheap to clone; every clone shares the one runtime.
@@ -372,6 +376,17 @@ impl Backend for OrtBackend {
                 .ok()
                 .and_then(|f| ModelFile::read(&f).ok())
                 .is_some_and(|m| m.batch_dependent)
+    }
+
+    /// Not for a model whose weights are nearly all panels in its mapped copy: that copy
+    /// runs as fast as prepacked (`panels`, `panel_op`), and a promotion would only
+    /// convert and load it again.
+    fn prepacking_gains(&self, path: &Path) -> bool {
+        if task_of(path) != Task::Tensor {
+            return true;
+        }
+        let Ok(file) = resolve_model_file(path) else { return true };
+        !(self.mappable(&file) && external::paneled_share(&file) >= PANELED_ENOUGH)
     }
 
     fn fixed_weights(&self, path: &Path) -> Option<Weights> {

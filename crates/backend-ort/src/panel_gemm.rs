@@ -10,8 +10,8 @@
 //! panels, the products accumulated in vector registers along `K`, so that the weight is
 //! read once per run (per block of rows) and never written. At one to a few rows a run is
 //! bound by reading the weight, as a prepacked one is; measured on the 100 MiB MLP (2
-//! cores, AVX-512) against a prepacked ONNX Runtime session: 0.87-0.91x its time at 1-6
-//! rows, 0.86x at 8, 0.77x at 16.
+//! cores, AVX-512) against a prepacked ONNX Runtime session: 0.86-1.03x its time at 1-64
+//! rows (`tests/panels_speed.rs`).
 //!
 //! Three kernels, chosen at run time: AVX-512 (12 rows by two panels), AVX2 with FMA (6
 //! rows by one panel) and a portable one the compiler vectorises as it can. Each output

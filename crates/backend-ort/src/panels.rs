@@ -11,10 +11,11 @@
 //! big weight `W` (`K x N`) as its panels, `[N / PANEL, K, PANEL]`, and its MatMul becomes
 //! `ai.snooze.PanelMatMul` (`panel_op`), whose kernel (`panel_gemm`) multiplies from the
 //! panels where they lie, as MLAS does from a prepacked buffer. Measured on the 100 MiB
-//! MLP (2 cores, ONNX Runtime 1.32), against a prepacked session: 0.86-0.91x its time on
-//! 1-8 rows, 0.77x on 16; the weight as it is took 1.39x, 2.0-2.15x and 1.84x; the
-//! panels multiplied by ONNX Runtime's own batched MatMul (the copy before this one, which
-//! still packed each panel) 1.03x, 1.41-1.54x and 1.50x.
+//! MLP (2 cores, ONNX Runtime 1.32), against a prepacked session: 0.86-1.03x its time on
+//! 1-64 rows (`tests/panels_speed.rs`); the weight as it is took 1.39x on one row,
+//! 2.0-2.15x on 2-8 and 1.84x on 16; the panels multiplied by ONNX Runtime's own batched
+//! MatMul (the copy before this one, which still packed each panel) 1.03x, 1.41-1.54x and
+//! 1.50x.
 //!
 //! Rewritten: a main-graph `MatMul(A, W)` whose `W` is an inline FLOAT initializer of
 //! shape `[K, N]` with `N` a multiple of `PANEL`, `N >= MIN_COLUMNS` and at least
@@ -36,10 +37,12 @@ use crate::{
 
 /// Columns in a panel: a 16-float vector register (two 8-float ones), as MLAS packs them.
 pub(crate) const PANEL: usize = 16;
-/// Smaller weights gain less (measured on 2 cores, no prepacking, against the weights as
-/// they are: 5 MiB matrices (the 10 MiB MLP) 0.81-0.93x on one row, 0.70-0.89x on 2-8,
-/// 0.93x on 16; 2 MiB 0.9x, 0.7x and 1.0x, hundredths of a millisecond; 1 MiB 1.1x on one
-/// row and 1.2x on 16, where the added nodes cost more than the packing they save).
+/// Smaller weights gain less. Chosen with the form before (panels multiplied by ONNX
+/// Runtime's MatMul, measured on 2 cores, no prepacking, against the weights as they are:
+/// 5 MiB matrices (the 10 MiB MLP) 0.81-0.93x on one row, 0.70-0.89x on 2-8, 0.93x on
+/// 16; 2 MiB 0.9x, 0.7x and 1.0x, hundredths of a millisecond; 1 MiB 1.1x on one row and
+/// 1.2x on 16) and kept: the transformers and convolutions with smaller weights are not
+/// rewritten anyway, for their activations' rank.
 const MIN_BYTES: usize = 4 << 20;
 /// Fewer panels than 16 (`N / PANEL`) give the threads, which share them out, little to share.
 const MIN_COLUMNS: usize = 256;
@@ -85,6 +88,8 @@ const BROADCAST: [&str; 10] = ["Add", "Div", "Max", "Mean", "Min", "Mul", "Pow",
 #[derive(Debug, Default)]
 pub(crate) struct Plan {
     weights: HashMap<String, (usize, usize)>,
+    /// The encoded size of every initializer of the graph: about its weights' bytes.
+    initializer_bytes: usize,
 }
 
 struct Node<'a> {
@@ -105,6 +110,15 @@ impl Node<'_> {
 impl Plan {
     pub(crate) fn is_empty(&self) -> bool {
         self.weights.is_empty()
+    }
+
+    /// The share of the graph's weight bytes stored as panels (0 to 1).
+    pub(crate) fn share(&self) -> f64 {
+        let paneled: usize = self.weights.values().map(|(k, n)| k * n * 4).sum();
+        if self.initializer_bytes == 0 {
+            return 0.0;
+        }
+        (paneled as f64 / self.initializer_bytes as f64).min(1.0)
     }
 
     /// `(K, N)` of the weight `name` if it is to be stored as panels
@@ -137,10 +151,12 @@ pub(crate) fn plan(graph: &[u8]) -> Result<Plan, String> {
     let mut ranks: HashMap<String, usize> = HashMap::new();
     // Graph inputs and outputs: a weight that is one stays as it is.
     let mut interface: HashSet<String> = HashSet::new();
+    let mut initializer_bytes = 0;
     for field in Fields::new(graph) {
         match field? {
             (1, v) => nodes.push(parse_node(v.bytes(1)?)?),
             (5, v) => {
+                initializer_bytes += v.bytes(5)?.len();
                 let (name, dims, candidate) = initializer(v.bytes(5)?)?;
                 ranks.insert(name.to_owned(), dims);
                 initializers.insert(name, candidate);
@@ -185,7 +201,7 @@ pub(crate) fn plan(graph: &[u8]) -> Result<Plan, String> {
             (all > 0 && all == rewritable && !interface.contains(name)).then_some((name.to_owned(), shape?))
         })
         .collect();
-    Ok(Plan { weights })
+    Ok(Plan { weights, initializer_bytes })
 }
 
 /// The rank of `n`'s first output, where the op and its inputs' ranks say it.

@@ -334,3 +334,17 @@ fn two_processes_saving_one_prepacked_copy_both_succeed_and_leave_no_half_copy()
     assert!(half.is_empty(), "left behind: {half:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A model whose weights are nearly all panels in its mapped copy runs as fast from it as
+/// prepacked: promoting it gains nothing. Models with other weights, other tasks, and any
+/// model where there is no cache for a mapped copy, gain.
+#[test]
+fn prepacking_gains_unless_the_weights_are_panels() {
+    let cache = cache_dir("gains");
+    let b = backend().with_cache_dir(cache.path());
+    assert!(!b.prepacking_gains(&model("mlp-100m-1")), "an MLP: all panels but its biases");
+    assert!(!b.prepacking_gains(&model("mlp-10m")));
+    assert!(b.prepacking_gains(&model("ocr-det")), "convolutions");
+    assert!(b.prepacking_gains(&model("minilm-onnx")), "an encoder (rank-3 activations)");
+    assert!(backend().prepacking_gains(&model("mlp-100m-1")), "no cache: no mapped copy");
+}

@@ -263,6 +263,12 @@ pub trait Backend: Send + Sync + 'static {
     fn batch_dependent(&self, _path: &std::path::Path) -> bool {
         false
     }
+    /// Whether the model runs faster prepacked than in the lean forms (`mapped`,
+    /// `compact`): only then is a lean model that stays and batches worth promoting (its
+    /// prepacked copy made, the model loaded again in it).
+    fn prepacking_gains(&self, _path: &std::path::Path) -> bool {
+        true
+    }
     /// The one-time work still to do before the model can load in the form `weights`
     /// names (an ORT-format copy, a prepacked copy, cached on disk), as the bytes it
     /// holds at its peak; `None` when there is none. Until it is done, a load serves the

@@ -160,9 +160,13 @@ fn budget_of(config: &Config, probe: &HostProbe) -> anyhow::Result<(u64, u64)> {
 }
 
 /// Whether `auto` chose the quick-to-swap form, so a model that then stays and batches
-/// is reloaded in place in the fast one (and its prepacked copy is worth making).
-fn promotable(m: &config::ModelSettings, weights: Weights) -> bool {
-    m.weights == Weights::Auto && weights == Weights::Mapped && m.max_batch_size > 1
+/// is reloaded in place in the fast one (and its prepacked copy is worth making): not a
+/// model that runs as fast in the quick-to-swap form (see `Backend::prepacking_gains`).
+fn promotable(m: &config::ModelSettings, weights: Weights, backend: &dyn Backend) -> bool {
+    m.weights == Weights::Auto
+        && weights == Weights::Mapped
+        && m.max_batch_size > 1
+        && backend.prepacking_gains(&m.path)
 }
 
 /// `snooze prepare`: makes every one-time copy the config's models may load from (ORT
@@ -280,7 +284,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
             batch_delay: m.batch_delay,
             max_concurrency: m.max_concurrency,
             priority: m.priority,
-            promotable: promotable(m, weights),
+            promotable: promotable(m, weights, &*backend),
             low_cpu_priority: m.low_cpu_priority,
         };
         let batch_dependent = backend.batch_dependent(&m.path);

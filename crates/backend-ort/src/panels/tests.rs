@@ -61,6 +61,8 @@ fn paneled(plan: &Plan) -> Vec<(String, (usize, usize))> {
 fn the_matmuls_of_a_rank_2_mlp_read_their_weights_as_panels() {
     let plan = plan(&mlp(Some(2), &[])).unwrap();
     assert_eq!(paneled(&plan), [("W1".to_owned(), (256, 8192)), ("W2".to_owned(), (8192, 256))]);
+    // Both 8 MiB matrices, not the 32 KiB bias: nearly all of the weights.
+    assert!(plan.share() > 0.99 && plan.share() <= 1.0, "{}", plan.share());
     let rewritten = plan.rewrite_node(&node("MatMul", &["h2", "W2"], "y")).unwrap().unwrap();
     // The same inputs, output and name, the operator of `panel_op` (NodeProto domain = 7).
     let n = parse_node(&rewritten).unwrap();
@@ -79,6 +81,7 @@ fn only_what_is_known_to_be_safe_is_rewritten() {
     // A weight also used by another op: it must stay as it is, and so do its MatMuls.
     let shared = plan(&mlp(Some(2), &[bytes_field(1, &node("Identity", &["W1"], "w1_copy"))])).unwrap();
     assert_eq!(paneled(&shared), [("W2".to_owned(), (8192, 256))]);
+    assert!((shared.share() - 0.5).abs() < 0.01, "one of two matrices: {}", shared.share());
     // A weight that is also a graph output, or an input (an overridable constant).
     let output = plan(&mlp(Some(2), &[bytes_field(12, &input("W2", Some(2)))])).unwrap();
     assert_eq!(paneled(&output), [("W1".to_owned(), (256, 8192))]);
