@@ -72,42 +72,73 @@ impl<'a> Product<'a> {
         self.n / PANEL
     }
 
-    /// The whole product, on this thread (for tests).
-    #[cfg(test)]
-    pub(crate) fn run(&mut self) {
-        // SAFETY: `&mut self`: no other call runs.
-        unsafe { self.run_panels(0..self.panels()) }
-    }
-
     /// The columns of panels `panels`.
     ///
     /// # Safety
     /// Calls that run at the same time must be given disjoint ranges, within `panels()`.
     pub(crate) unsafe fn run_panels(&self, panels: Range<usize>) {
+        // SAFETY: as this function's.
+        unsafe { self.run_with(Kernel::best(), panels) }
+    }
+
+    /// # Safety
+    /// As `run_panels`; the CPU has what `kernel` needs (`Kernel::available`).
+    unsafe fn run_with(&self, kernel: Kernel, panels: Range<usize>) {
         assert!(panels.end <= self.panels());
         if self.m == 0 || panels.is_empty() {
             return;
         }
+        if self.k == 0 {
+            // An empty sum: the columns are zeros.
+            for r in 0..self.m {
+                // SAFETY: row r < m, the columns of `panels` < n: within `c`, this call's own.
+                unsafe { self.c.add(r * self.n + panels.start * PANEL).write_bytes(0, panels.len() * PANEL) };
+            }
+            return;
+        }
+        match kernel {
+            // SAFETY: the CPU has AVX-512F; the bounds hold (`new`, the assert above).
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512 => unsafe { x86::run_avx512(self, panels) },
+            // SAFETY: the CPU has AVX2 and FMA; the bounds hold.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => unsafe { x86::run_avx2(self, panels) },
+            // SAFETY: the bounds hold.
+            Kernel::Portable => unsafe { run_portable(self, panels) },
+        }
+    }
+}
+
+/// The kernels, by the instructions they need.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    Portable,
+}
+
+impl Kernel {
+    /// The kernels this CPU can run, fastest first.
+    fn available() -> Vec<Kernel> {
+        let mut kernels = Vec::new();
         #[cfg(target_arch = "x86_64")]
         {
             if std::arch::is_x86_feature_detected!("avx512f") {
-                // SAFETY: the CPU has AVX-512F; the bounds hold (`new`, the assert above).
-                return unsafe { x86::run_avx512(self, panels) };
+                kernels.push(Kernel::Avx512);
             }
             if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-                // SAFETY: the CPU has AVX2 and FMA; the bounds hold.
-                return unsafe { x86::run_avx2(self, panels) };
+                kernels.push(Kernel::Avx2);
             }
         }
-        // SAFETY: the bounds hold.
-        unsafe { run_portable(self, panels) }
+        kernels.push(Kernel::Portable);
+        kernels
     }
 
-    /// The product by the portable kernel, whatever the CPU has (for tests).
-    #[cfg(test)]
-    pub(crate) fn run_portable(&mut self) {
-        // SAFETY: `&mut self`; the bounds hold.
-        unsafe { run_portable(self, 0..self.panels()) }
+    fn best() -> Kernel {
+        static BEST: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| Kernel::available()[0])
     }
 }
 
@@ -345,7 +376,8 @@ mod tests {
     /// the kernel this CPU picks, the portable one, and the panels shared out in parts.
     #[test]
     fn products_match_a_plain_loop() {
-        for (rows, k, n) in [(1, 7, 16), (3, 1200, 48), (13, 600, 80), (25, 33, 32), (8, 513, 16), (0, 5, 16)]
+        for (rows, k, n) in
+            [(1, 7, 16), (3, 1200, 48), (13, 600, 80), (25, 33, 32), (8, 513, 16), (0, 5, 16), (2, 0, 32)]
         {
             {
                 let a = values(rows * k, 1);
@@ -363,12 +395,13 @@ mod tests {
                         );
                     }
                 };
-                let mut c = vec![f32::NAN; rows * n];
-                Product::new(&a, &wp, &mut c, rows, k, n).unwrap().run();
-                check(&c, "dispatched");
-                let mut c = vec![f32::NAN; rows * n];
-                Product::new(&a, &wp, &mut c, rows, k, n).unwrap().run_portable();
-                check(&c, "portable");
+                for kernel in Kernel::available() {
+                    let mut c = vec![f32::NAN; rows * n];
+                    let p = Product::new(&a, &wp, &mut c, rows, k, n).unwrap();
+                    // SAFETY: one call; this CPU has the kernel.
+                    unsafe { p.run_with(kernel, 0..p.panels()) };
+                    check(&c, &format!("{kernel:?}"));
+                }
                 let mut c = vec![f32::NAN; rows * n];
                 let product = Product::new(&a, &wp, &mut c, rows, k, n).unwrap();
                 let panels = product.panels();
