@@ -116,8 +116,13 @@ fn resolve_weights(
                 }
                 return Ok(fixed);
             }
+            // Prepacked where nothing will be evicted and the model batches, unless it runs
+            // as fast in the quick-to-swap form (`Backend::prepacking_gains`).
+            let backend = backends.get(m.backend)?;
             Ok(match m.weights {
-                Weights::Auto if roomy && m.max_batch_size > 1 => Weights::Prepacked,
+                Weights::Auto if roomy && m.max_batch_size > 1 && backend.prepacking_gains(&m.path) => {
+                    Weights::Prepacked
+                }
                 Weights::Auto => Weights::Mapped,
                 chosen => chosen,
             })
@@ -187,11 +192,15 @@ pub fn prepare(config: &Config, mut report: impl FnMut(&str)) -> anyhow::Result<
             continue;
         }
         // `auto` is decided by the budget at each start (an image is built on another
-        // machine than it runs on): both forms it may choose.
+        // machine than it runs on): both forms it may choose, or only the quick-to-swap
+        // one for a model that runs as fast in it (see `resolve_weights`).
         let forms = match (backend.fixed_weights(&m.path), m.weights) {
             // One form whatever `weights` says (Whisper's graphs: prepacked).
             (Some(fixed), _) => vec![fixed],
-            (None, Weights::Auto) => vec![Weights::Mapped, Weights::Prepacked],
+            (None, Weights::Auto) if backend.prepacking_gains(&m.path) => {
+                vec![Weights::Mapped, Weights::Prepacked]
+            }
+            (None, Weights::Auto) => vec![Weights::Mapped],
             (None, chosen) => vec![chosen],
         };
         let mut any = false;

@@ -157,6 +157,50 @@ fn snooze_prepare_names_whisper_s_one_cached_form() {
 }
 
 #[test]
+fn snooze_prepare_makes_no_prepacked_copy_of_a_model_that_runs_as_fast_mapped() {
+    // `auto` holds an MLP (its weights all panels in the mapped copy) `mapped` whatever
+    // the budget, so its prepacked copy would never be loaded; a convolutional model
+    // (ocr-cls) may be held prepacked, so it gets both.
+    let dir = fresh_dir("auto-forms");
+    let cfg = dir.join("snooze.toml");
+    let models = models_dir();
+    let text = format!(
+        "[models.mlp]\npath = \"{0}/mlp-10m\"\n[models.cls]\npath = \"{0}/ocr-cls\"\n",
+        models.display()
+    );
+    std::fs::write(&cfg, text).expect("config");
+    let out = prepare_cli(&cfg, &dir.join("state"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        stdout.contains("mlp: prepared (mapped)") && !stdout.contains("mlp: prepared (prepacked)"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("cls: prepared (mapped)") && stdout.contains("cls: prepared (prepacked)"),
+        "{stdout}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn auto_holds_a_model_that_runs_as_fast_mapped_so_even_when_everything_fits() {
+    let models = models_dir();
+    let text = format!(
+        "[models.mlp]\npath = \"{0}/mlp-10m\"\n[models.cls]\npath = \"{0}/ocr-cls\"\n",
+        models.display()
+    );
+    let s = Server::start("auto-forms", &text, &[]);
+    let (_, body) = s.get("/admin/models");
+    let form = |name: &str| {
+        let all = body["models"].as_array().cloned().unwrap_or_default();
+        all.iter().find(|m| m["name"] == name).map(|m| m["weights"].clone()).unwrap_or_default()
+    };
+    assert_eq!(form("mlp"), "mapped", "{body}");
+    assert_eq!(form("cls"), "prepacked", "everything fits and it batches: {body}");
+}
+
+#[test]
 fn snooze_prepare_fails_on_a_model_it_cannot_read() {
     // A corrupt or truncated model was "nothing to prepare" with exit 0: an init
     // container passed, and the server then failed the model's every request.

@@ -20,8 +20,10 @@
 //! start, churn, byte budgets; `SNOOZE_ZIPF_ONLY=zipf-f400,zipf-f400w` runs only the runs
 //! named):
 //!
-//! d. *all resident, fully warm*: (b) after `snooze prepare` and a warm-up that lasts until
-//!    every model was promoted to its prepacked copy: the best this machine does;
+//! d. *all resident, fully warm*: (b) with every model `weights = "prepacked"`, after
+//!    `snooze prepare` made their prepacked copies and a warm-up that lasts until every
+//!    model serves from one: ONNX Runtime's own kernels at their best (`auto` no longer
+//!    chooses prepacked for these MLPs, which run as fast from their panels);
 //! e. *two-model budget, cold*: (a) on an empty `state_dir`: the first minute of a
 //!    deploy, converted copies made while it serves;
 //! f. *byte budgets*: the same mix under `host_memory_limit` = 300, 400 and 600 MiB instead
@@ -154,9 +156,10 @@ fn main() -> anyhow::Result<()> {
     ];
     let suite = std::env::var("SNOOZE_ZIPF_SUITE").unwrap_or_default();
     if suite != "scheduler" {
+        let prepacked = config(&models, &six, "", "weights = \"prepacked\"\n");
         runs.push(Run {
             warmup: Warmup::Promoted,
-            ..run("d. all resident, fully warm", "zipf-d", config(&models, &six, "", ""), &six, requests)
+            ..run("d. all resident, fully warm", "zipf-d", prepacked, &six, requests)
         });
         runs.push(Run {
             state_dir: own("e"),
@@ -225,9 +228,12 @@ fn main() -> anyhow::Result<()> {
     }
     // The shared state starts full (`snooze prepare`), so the runs on it are warm by
     // construction, whatever ran before.
-    let everything = run("all six", "zipf-prepare", config(&models, &six, "", ""), &six, requests);
-    if let Err(why) = run::prepare(&everything) {
-        eprintln!("snooze prepare of the shared state failed ({why}); its runs may start cold");
+    // Both the copies `auto` loads and the prepacked ones (d.).
+    for weights in ["", "weights = \"prepacked\"\n"] {
+        let everything = run("all six", "zipf-prepare", config(&models, &six, "", weights), &six, requests);
+        if let Err(why) = run::prepare(&everything) {
+            eprintln!("snooze prepare of the shared state failed ({why}); its runs may start cold");
+        }
     }
     let mut outcomes = Vec::new();
     for run in &runs {
