@@ -38,8 +38,8 @@ pub(crate) struct Product<'a> {
     n: usize,
 }
 
-// SAFETY: `c` is written only through `run` (whole, `&mut self`) or `run_panels`, whose
-// callers give concurrent calls disjoint panels (disjoint columns of `c`).
+// SAFETY: `c` is written only through `run_panels`, whose callers give concurrent calls
+// disjoint panels (disjoint columns of `c`).
 unsafe impl Sync for Product<'_> {}
 
 impl<'a> Product<'a> {
