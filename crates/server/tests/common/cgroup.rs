@@ -24,7 +24,11 @@ impl Cgroup {
     pub fn create(limit: u64) -> Result<Cgroup, String> {
         let own =
             fs::read_to_string("/proc/self/cgroup").map_err(|e| format!("no /proc/self/cgroup: {e}"))?;
-        let name = format!("snooze-test-{}", std::process::id());
+        // One per cgroup, not per process: tests of one binary run at once, and two
+        // sharing a cgroup share its limit (the last one written) and each other's memory.
+        static MADE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("snooze-test-{}-{n}", std::process::id());
         for line in own.lines() {
             let mut parts = line.splitn(3, ':');
             let (_, controllers, path) =
