@@ -45,12 +45,13 @@ use crate::{model::OrtModel, onnx_file::ModelFile};
 const HOW_TO_FIX: &str = "run `make prepare` (it installs onnxruntime into .venv) and set ORT_DYLIB_PATH to \
      .venv/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime.so.1.*";
 
-/// ONNX Runtime can be loaded once per process: the library it was loaded from
-/// and the environment every session shares, or why that failed.
 /// The share of a model's weight bytes stored as panels from which it runs as fast from
 /// its mapped copy as prepacked (`OrtBackend::prepacking_gains`): an MLP's are all
 /// panels but its biases.
 const PANELED_ENOUGH: f64 = 0.9;
+
+/// ONNX Runtime can be loaded once per process: the library it was loaded from
+/// and the environment every session shares, or why that failed.
 static RUNTIME: OnceLock<Result<(PathBuf, Environment, ThreadPool), String>> = OnceLock::new();
 
 /// The `onnx` backend. Cheap to clone; every clone shares the one runtime.

@@ -170,34 +170,26 @@ fn blocks(
     }
 }
 
-/// Rows of a block of the portable kernel.
-const PORTABLE_ROWS: usize = 4;
-
+/// One row by one panel at a time: the compiler vectorises the 16 columns.
+///
 /// # Safety
 /// As `Product::run_panels`.
 unsafe fn run_portable(p: &Product<'_>, panels: Range<usize>) {
-    blocks(p, panels, PORTABLE_ROWS, 1, |r0, panel, _, ks, load| {
-        let rows = PORTABLE_ROWS.min(p.m - r0);
-        let a = &p.a[r0 * p.k..];
+    blocks(p, panels, 1, 1, |r, panel, _, ks, load| {
+        let a = &p.a[r * p.k..(r + 1) * p.k];
         let w = &p.w[panel * p.k * PANEL..(panel + 1) * p.k * PANEL];
-        let mut acc = [[0f32; PANEL]; PORTABLE_ROWS];
-        for (r, acc) in acc.iter_mut().enumerate().take(rows) {
-            // SAFETY: row `r0 + r` < m, columns of `panel` < n: within `c`.
-            let c = unsafe { p.c.add((r0 + r) * p.n + panel * PANEL) };
-            if load {
-                // SAFETY: as above; this call's panel only.
-                *acc = unsafe { c.cast::<[f32; PANEL]>().read_unaligned() };
+        // SAFETY: row r < m, the columns of `panel` < n: within `c`, this call's own.
+        let c = unsafe { p.c.add(r * p.n + panel * PANEL) }.cast::<[f32; PANEL]>();
+        // SAFETY: as above.
+        let mut acc = if load { unsafe { c.read_unaligned() } } else { [0f32; PANEL] };
+        for kk in ks {
+            let b = &w[kk * PANEL..(kk + 1) * PANEL];
+            for (s, b) in acc.iter_mut().zip(b) {
+                *s += a[kk] * b;
             }
-            for kk in ks.clone() {
-                let x = a[r * p.k + kk];
-                let b = &w[kk * PANEL..(kk + 1) * PANEL];
-                for (s, b) in acc.iter_mut().zip(b) {
-                    *s += x * b;
-                }
-            }
-            // SAFETY: as above.
-            unsafe { c.cast::<[f32; PANEL]>().write_unaligned(*acc) };
         }
+        // SAFETY: as above.
+        unsafe { c.write_unaligned(acc) };
     });
 }
 

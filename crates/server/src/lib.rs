@@ -81,13 +81,15 @@ impl Backends {
 /// nothing will be evicted, so its slower loads are rare — and the model batches
 /// (`max_batch_size > 1`: prepacking only pays on batches); otherwise `mapped`, whose
 /// swaps cost milliseconds, promoted in place to `prepacked` once it stays and batches
-/// (see the scheduler's `promote`). Measured: see bench/README.md.
+/// (see the scheduler's `promote`). Neither for a model that runs as fast `mapped`
+/// (`Backend::prepacking_gains`, asked once per model). Measured: see bench/README.md.
+/// Per model: the form, and whether it may be promoted.
 fn resolve_weights(
     config: &Config,
     backends: &Backends,
     budget: u64,
     baseline: u64,
-) -> anyhow::Result<Vec<Weights>> {
+) -> anyhow::Result<Vec<(Weights, bool)>> {
     let s = &config.server;
     let mut all = baseline;
     for m in &config.models {
@@ -114,18 +116,13 @@ fn resolve_weights(
                         fixed.as_str()
                     );
                 }
-                return Ok(fixed);
+                return Ok((fixed, false));
             }
-            // Prepacked where nothing will be evicted and the model batches, unless it runs
-            // as fast in the quick-to-swap form (`Backend::prepacking_gains`).
-            let backend = backends.get(m.backend)?;
-            Ok(match m.weights {
-                Weights::Auto if roomy && m.max_batch_size > 1 && backend.prepacking_gains(&m.path) => {
-                    Weights::Prepacked
-                }
-                Weights::Auto => Weights::Mapped,
-                chosen => chosen,
-            })
+            if m.weights != Weights::Auto {
+                return Ok((m.weights, false));
+            }
+            let gains = m.max_batch_size > 1 && backends.get(m.backend)?.prepacking_gains(&m.path);
+            Ok(if roomy && gains { (Weights::Prepacked, false) } else { (Weights::Mapped, gains) })
         })
         .collect()
 }
@@ -162,16 +159,6 @@ fn budget_of(config: &Config, probe: &HostProbe) -> anyhow::Result<(u64, u64)> {
         );
     }
     Ok((budget, baseline))
-}
-
-/// Whether `auto` chose the quick-to-swap form, so a model that then stays and batches
-/// is reloaded in place in the fast one (and its prepacked copy is worth making): not a
-/// model that runs as fast in the quick-to-swap form (see `Backend::prepacking_gains`).
-fn promotable(m: &config::ModelSettings, weights: Weights, backend: &dyn Backend) -> bool {
-    m.weights == Weights::Auto
-        && weights == Weights::Mapped
-        && m.max_batch_size > 1
-        && backend.prepacking_gains(&m.path)
 }
 
 /// `snooze prepare`: makes every one-time copy the config's models may load from (ORT
@@ -268,7 +255,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
     let (budget, baseline) = budget_of(config, &probe)?;
     let weights = resolve_weights(config, &backends, budget, baseline)?;
     let mut models = Vec::new();
-    for (m, weights) in config.models.iter().zip(weights) {
+    for (m, (weights, promotable)) in config.models.iter().zip(weights) {
         let backend = backends.get(m.backend)?;
         let estimate = backend.estimate(&m.path, weights);
         if estimate.steady_bytes.is_none() && m.memory.is_none() {
@@ -293,7 +280,7 @@ pub fn build(config: &Config) -> anyhow::Result<AppState> {
             batch_delay: m.batch_delay,
             max_concurrency: m.max_concurrency,
             priority: m.priority,
-            promotable: promotable(m, weights, &*backend),
+            promotable,
             low_cpu_priority: m.low_cpu_priority,
         };
         let batch_dependent = backend.batch_dependent(&m.path);

@@ -156,19 +156,22 @@ fn snooze_prepare_names_whisper_s_one_cached_form() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Two `auto` models: an MLP (its weights all panels in the mapped copy) and a
+/// convolutional one (ocr-cls).
+fn mlp_and_conv() -> String {
+    format!(
+        "[models.mlp]\npath = \"{0}/mlp-10m\"\n[models.cls]\npath = \"{0}/ocr-cls\"\n",
+        models_dir().display()
+    )
+}
+
 #[test]
 fn snooze_prepare_makes_no_prepacked_copy_of_a_model_that_runs_as_fast_mapped() {
-    // `auto` holds an MLP (its weights all panels in the mapped copy) `mapped` whatever
-    // the budget, so its prepacked copy would never be loaded; a convolutional model
-    // (ocr-cls) may be held prepacked, so it gets both.
+    // `auto` holds the MLP `mapped` whatever the budget, so its prepacked copy would never
+    // be loaded; the convolutional model may be held prepacked, so it gets both.
     let dir = fresh_dir("auto-forms");
     let cfg = dir.join("snooze.toml");
-    let models = models_dir();
-    let text = format!(
-        "[models.mlp]\npath = \"{0}/mlp-10m\"\n[models.cls]\npath = \"{0}/ocr-cls\"\n",
-        models.display()
-    );
-    std::fs::write(&cfg, text).expect("config");
+    std::fs::write(&cfg, mlp_and_conv()).expect("config");
     let out = prepare_cli(&cfg, &dir.join("state"));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
@@ -185,19 +188,9 @@ fn snooze_prepare_makes_no_prepacked_copy_of_a_model_that_runs_as_fast_mapped() 
 
 #[test]
 fn auto_holds_a_model_that_runs_as_fast_mapped_so_even_when_everything_fits() {
-    let models = models_dir();
-    let text = format!(
-        "[models.mlp]\npath = \"{0}/mlp-10m\"\n[models.cls]\npath = \"{0}/ocr-cls\"\n",
-        models.display()
-    );
-    let s = Server::start("auto-forms", &text, &[]);
-    let (_, body) = s.get("/admin/models");
-    let form = |name: &str| {
-        let all = body["models"].as_array().cloned().unwrap_or_default();
-        all.iter().find(|m| m["name"] == name).map(|m| m["weights"].clone()).unwrap_or_default()
-    };
-    assert_eq!(form("mlp"), "mapped", "{body}");
-    assert_eq!(form("cls"), "prepacked", "everything fits and it batches: {body}");
+    let s = Server::start("auto-forms", &mlp_and_conv(), &[]);
+    assert_eq!(s.model("mlp")["weights"], "mapped", "{}", s.model("mlp"));
+    assert_eq!(s.model("cls")["weights"], "prepacked", "everything fits and it batches: {}", s.model("cls"));
 }
 
 #[test]
