@@ -3,10 +3,11 @@
 //! Every session draws on the environment's one intra-op pool, whose threads run at the
 //! process's priority. A model of low CPU priority (`LoadSpec::low_cpu_priority`: a
 //! transcription's or an OCR page's stages) gets a pool of its own instead, as wide as the
-//! shared one and as spinning, whose threads lower their priority (nice 10) before they
-//! take work. The scheduler runs such a model's batches on a thread that does the same, so
-//! the whole run yields the cores to the short requests of other models while both want
-//! them, and takes every core while they do not.
+//! shared one and as spinning, whose threads go to the idle scheduling class (at nice 10;
+//! see `snooze_core::memory::idle_thread`) before they take work. The scheduler runs such
+//! a model's batches on a thread that does the same, so the whole run yields the cores to
+//! the short requests of other models whenever they want them, and takes every core while
+//! they do not.
 
 use std::thread::JoinHandle;
 
@@ -15,7 +16,7 @@ use snooze_core::LoadSpec;
 
 use crate::ThreadPool;
 
-/// Starts a session pool's threads, each lowering its own priority first.
+/// Starts a session pool's threads, each going to the idle scheduling class first.
 struct LowPriority;
 
 impl ThreadManager for LowPriority {
@@ -25,7 +26,7 @@ impl ThreadManager for LowPriority {
         std::thread::Builder::new()
             .name("snooze-ort-low".into())
             .spawn(move || {
-                snooze_core::memory::lower_thread_priority();
+                snooze_core::memory::idle_thread();
                 work();
             })
             .map_err(|e| ort::Error::new(format!("cannot start a runtime thread: {e}")))

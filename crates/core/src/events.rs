@@ -28,6 +28,7 @@ pub mod metric {
     pub const LEASES: &str = "snooze_model_leases";
     pub const QUEUE_DEPTH: &str = "snooze_queue_depth";
     pub const PRESSURE: &str = "snooze_pressure_level";
+    pub const LONG_TURNS: &str = "snooze_long_turns_total";
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]

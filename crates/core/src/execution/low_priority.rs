@@ -1,5 +1,5 @@
-//! Threads at low CPU priority for the runs of low-priority models, kept for the next run
-//! as tokio's blocking pool keeps its threads.
+//! Threads of the idle scheduling class (see `memory::idle_thread`) for the runs of
+//! low-priority models, kept for the next run as tokio's blocking pool keeps its threads.
 //!
 //! A fresh thread for each run took a fresh place in the allocator (glibc gives threads
 //! arenas of their own) each time, and what one run freed was not what the next reused:
@@ -51,7 +51,7 @@ impl Pool {
         state.threads += 1;
         drop(state);
         let started = std::thread::Builder::new().name("snooze-run-low".into()).spawn(move || {
-            crate::memory::lower_thread_priority();
+            crate::memory::idle_thread();
             let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
             loop {
                 if let Some(run) = state.queued.pop_front() {

@@ -68,6 +68,14 @@ impl Scheduler {
                 self.wake_by(until);
                 return;
             }
+            // Short runs that kept every core from long work for a while let it have a
+            // turn (see `turns`).
+            if let Some(until) = self.waits_for_long_turn(model, now) {
+                if let Some(until) = until {
+                    self.wake_by(until);
+                }
+                return;
+            }
             let s = &self.slots[model];
             let max = s.policy.max_batch_size.max(1);
             if !s.policy.batch_delay.is_zero() && head.key.is_some() && s.queue.batchable_rows() < max {
@@ -89,6 +97,7 @@ impl Scheduler {
             s.running += 1;
             s.owed = s.owed.saturating_sub(batch.len());
             self.running += 1;
+            self.turn_run_started(model, now);
             let reqs: Vec<RequestId> = batch.iter().map(|(_, q)| q.req).collect();
             for (priority, q) in batch {
                 self.in_flight.insert(q.req, (model, priority, q));
@@ -106,8 +115,9 @@ impl Scheduler {
         took: Duration,
         continuing: Vec<Resume>,
     ) {
+        self.slots[model].running = self.slots[model].running.saturating_sub(1);
+        self.turn_run_ended(model, now);
         let s = &mut self.slots[model];
-        s.running = s.running.saturating_sub(1);
         self.running = self.running.saturating_sub(1);
         s.release_reservation(&reqs);
         // Rule 2: idle time counts from when the work completed.

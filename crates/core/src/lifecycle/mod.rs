@@ -29,6 +29,7 @@ mod requests;
 mod slot;
 #[cfg(test)]
 mod tests;
+mod turns;
 mod unloads;
 mod working;
 
@@ -40,6 +41,7 @@ use std::{
 pub use prepare::{Preparation, Prepared};
 pub use queue::{Priority, Queued, Retry};
 pub use slot::{ModelPolicy, ModelSlot, ModelStatus, SlotState, StateName};
+pub use turns::{LONG_TURN, SHORT_STREAK};
 
 use crate::{
     backend::{Device, LoadError, Weights},
@@ -255,6 +257,8 @@ pub struct Scheduler {
     /// Dispatched requests: what they were, in case an out-of-memory retry requeues them.
     in_flight: HashMap<RequestId, (ModelId, Priority, Queued)>,
     running: u32,
+    /// Turns for the cores between short runs and long work (see `turns`).
+    turns: turns::Turns,
     /// The preparation in progress.
     preparing: Option<prepare::Preparing>,
     /// Background preparations stopped for requests in a row, and the instant before which
@@ -279,6 +283,7 @@ impl Scheduler {
             unreadable: Vec::new(),
             in_flight: HashMap::new(),
             running: 0,
+            turns: turns::Turns::default(),
             preparing: None,
             prepare_stops: (0, None),
             collections: Vec::new(),

@@ -46,9 +46,10 @@ pub struct ModelPolicy {
     /// keeps serving, in a form that is slow to load but fast on batches once it shows
     /// it stays and batches (see `plan::promote`).
     pub promotable: bool,
-    /// Its runs, and the runtime threads of its sessions, run at a lower CPU priority
-    /// (nice 10): while short requests of other models run, the cores go to them first,
-    /// and the rest of the time to it (long work: a transcription's slices, OCR stages).
+    /// Its runs, and the runtime threads of its sessions, run in the idle scheduling
+    /// class (at nice 10): while short requests of other models run, the cores are
+    /// theirs, and the rest of the time its (long work: a transcription's slices, OCR
+    /// stages); short runs that leave it nothing for a while give it turns (`turns`).
     pub low_cpu_priority: bool,
 }
 

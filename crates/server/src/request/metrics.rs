@@ -93,6 +93,10 @@ fn describe() {
     describe_gauge!(metric::LEASES, "Requests running on the model");
     describe_gauge!(metric::QUEUE_DEPTH, "Requests waiting in the model's queue, by priority");
     describe_gauge!(metric::PRESSURE, "Memory pressure: 0 normal, 1 warning, 2 critical, 3 emergency");
+    describe_counter!(
+        metric::LONG_TURNS,
+        "Turns long work was given after short runs kept every core for a second without a gap"
+    );
 }
 
 /// A request's counter and duration histogram for `name` on `protocols`, at 0.
@@ -115,8 +119,9 @@ pub fn register_pipelines<'a>(pipelines: impl Iterator<Item = &'a str>) {
     }
 }
 
-/// Creates every counter of every configured model at 0.
+/// Creates every counter of every configured model at 0 (and the server's own).
 pub fn register_models<'a>(models: impl Iterator<Item = &'a str>) {
+    counter!(metric::LONG_TURNS).increment(0);
     for m in models {
         let model = || m.to_string();
         register_requests(m, &PROTOCOLS);

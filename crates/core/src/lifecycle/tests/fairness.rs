@@ -376,3 +376,135 @@ fn nothing_goes_ahead_of_a_model_that_models_were_evicted_for() {
     assert_eq!(started_loads(&h, &a), ["big", "small"]);
     assert_eq!((h.outcome(big), h.outcome(req)), (Some(Ok(())), Some(Ok(()))));
 }
+
+/// "long" runs long work (low CPU priority, so the kernel gives it only what short runs
+/// leave), "a" and "b" are short models; every model loaded and idle at t = 3 s.
+fn long_and_two_short() -> Harness {
+    let mut h = Harness::with(1000, &[("long", 100), ("a", 10), ("b", 10)], |p| {
+        p.low_cpu_priority = p.name == "long";
+    });
+    h.call_a_second_apart(&["long", "a", "b"]);
+    h
+}
+
+/// Short runs of "a" and "b" overlapping from `from` to `to` (s), so that at every
+/// instant one of them runs; returns the one still running at `to`.
+fn short_streak(h: &mut Harness, from: f64, to: f64) -> RequestId {
+    h.at(from);
+    let (mut running, a) = h.submit("a");
+    assert_eq!(dispatched(h, &a), ["a"]);
+    let mut next = "b";
+    let steps = ((to - from) / 0.05).round() as u32;
+    for i in 1..steps {
+        let t = from + f64::from(i) * 0.05;
+        h.at(t);
+        let (req, a) = h.submit(next);
+        assert_eq!(dispatched(h, &a), [next], "t = {t:.2}: short runs start while the streak is young");
+        h.at(t + 0.01);
+        h.finish(running);
+        running = req;
+        next = if next == "a" { "b" } else { "a" };
+    }
+    running
+}
+
+#[test]
+fn short_runs_that_kept_every_core_for_a_second_give_long_work_a_turn() {
+    let mut h = long_and_two_short();
+    h.at(3.0);
+    let job = h.use_model("long").unwrap();
+    let running = short_streak(&mut h, 3.0, 4.0);
+    // A second of short runs without a gap while the job runs: the next short run waits.
+    h.at(4.0);
+    let (waiting, a) = h.submit(if h.batch_of(running).unwrap().0 == h.id("a") { "b" } else { "a" });
+    assert!(dispatched(&h, &a).is_empty(), "long work is owed a turn");
+    // The last short run ends: the turn begins, for LONG_TURN.
+    h.at(4.02);
+    let a = h.finish(running);
+    assert!(dispatched(&h, &a).is_empty(), "the turn: no short run starts");
+    let turn_end = h.t0 + Duration::from_secs_f64(4.02) + LONG_TURN;
+    assert_eq!(h.s.next_deadline(), Some(turn_end), "the scheduler wakes when the turn ends");
+    h.now = turn_end - Duration::from_millis(1);
+    let a = h.tick();
+    assert!(dispatched(&h, &a).is_empty());
+    h.now = turn_end;
+    let a = h.tick();
+    assert_eq!(
+        dispatched(&h, &a),
+        [h.s.slot(h.batch_of(waiting).unwrap().0).name()],
+        "then short runs again"
+    );
+    // A new streak starts: the next second's short runs go through.
+    let t = (turn_end - h.t0).as_secs_f64();
+    h.finish(waiting);
+    let last = short_streak(&mut h, t + 0.01, t + 0.9);
+    h.finish(last);
+    assert_eq!(h.outcome(job), Some(Ok(())), "the job ran throughout");
+}
+
+#[test]
+fn short_runs_never_wait_for_a_turn_nobody_needs() {
+    // No long work running: a streak of any length holds nothing.
+    let mut h = long_and_two_short();
+    let running = short_streak(&mut h, 3.0, 6.0);
+    h.at(6.0);
+    let other = if h.batch_of(running).unwrap().0 == h.id("a") { "b" } else { "a" };
+    let (_, a) = h.submit(other);
+    assert_eq!(dispatched(&h, &a), [other]);
+
+    // Long work running, but the short runs leave gaps: no turn is owed.
+    let mut h = long_and_two_short();
+    h.at(3.0);
+    h.use_model("long").unwrap();
+    for i in 0..30 {
+        let t = 3.0 + i as f64 * 0.1;
+        h.at(t);
+        let (req, a) = h.submit("a");
+        assert_eq!(dispatched(&h, &a), ["a"], "t = {t:.1}");
+        h.at(t + 0.05);
+        h.finish(req);
+    }
+
+    // A run of the long model itself never waits for its own turn.
+    let mut h = long_and_two_short();
+    h.at(3.0);
+    let first = h.use_model("long").unwrap();
+    // The streak's last short run goes on past a second.
+    let running = short_streak(&mut h, 3.0, 4.0);
+    h.at(4.5);
+    let (second, _) = h.submit("long");
+    h.at(4.6);
+    let a = h.finish(first);
+    assert_eq!(dispatched(&h, &a), ["long"], "the job's model runs during a streak that owes it a turn");
+    h.finish(running);
+    h.finish(second);
+}
+
+#[test]
+fn back_to_back_runs_of_one_short_model_are_a_streak_too() {
+    // One short model, its queue never empty: each batch starts as the one before ends,
+    // with no pause, so a second of them owes long work its turn all the same.
+    let mut h = long_and_two_short();
+    h.at(3.0);
+    h.use_model("long").unwrap();
+    let (mut running, _) = h.submit("a");
+    let mut t = 3.0;
+    while t < 4.0 {
+        t += 0.1;
+        h.at(t - 0.05);
+        let (next, a) = h.submit("a");
+        assert!(dispatched(&h, &a).is_empty(), "one run of the model at a time");
+        h.at(t);
+        let a = h.finish(running);
+        if t < 4.0 {
+            assert_eq!(dispatched(&h, &a), ["a"], "t = {t:.1}: the next batch at once");
+        } else {
+            assert!(dispatched(&h, &a).is_empty(), "t = {t:.1}: a second without a pause: the turn");
+            assert_eq!(h.s.next_deadline(), Some(h.now + LONG_TURN));
+        }
+        running = next;
+    }
+    h.now += LONG_TURN;
+    let a = h.tick();
+    assert_eq!(dispatched(&h, &a), ["a"], "after the turn");
+}

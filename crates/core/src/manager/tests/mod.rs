@@ -57,6 +57,9 @@ impl Gate {
     }
 }
 
+/// A run's thread: its nice value, and whether it was in the idle scheduling class.
+type RunPriority = (Option<i32>, bool);
+
 struct FakeBackend {
     free: Arc<AtomicU64>,
     /// The process's RSS: a dropped model gives its bytes back (loads leave it as set).
@@ -69,7 +72,7 @@ struct FakeBackend {
     /// Rows of every run, in order.
     runs: Arc<Mutex<Vec<i64>>>,
     /// The nice value of the thread each run ran on, in order.
-    run_nice: Arc<Mutex<Vec<Option<i32>>>>,
+    run_nice: Arc<Mutex<Vec<RunPriority>>>,
     /// Each load's model and whether it asked for low CPU priority.
     low_asked: Mutex<Vec<(String, bool)>>,
 }
@@ -82,7 +85,7 @@ struct FakeModel {
     max_batch: Arc<AtomicU64>,
     gate: Arc<Gate>,
     runs: Arc<Mutex<Vec<i64>>>,
-    run_nice: Arc<Mutex<Vec<Option<i32>>>>,
+    run_nice: Arc<Mutex<Vec<RunPriority>>>,
     /// Models named `slow-drop*` take this long to drop, counted in `SLOW_DROPS`.
     drop_pause: Duration,
 }
@@ -116,7 +119,7 @@ impl LoadedModel for FakeModel {
             assert!(!v.iter().any(|x| *x < -1000.0), "fake: a value below -1000 makes the backend panic");
         }
         self.runs.lock().unwrap().push(rows);
-        self.run_nice.lock().unwrap().push(crate::memory::thread_nice());
+        self.run_nice.lock().unwrap().push((crate::memory::thread_nice(), crate::memory::thread_is_idle()));
         if rows as u64 > self.max_batch.load(Ordering::SeqCst) {
             return Err(InferError::OutOfMemory("fake: batch too large".into()));
         }
@@ -656,7 +659,7 @@ async fn an_unload_waiting_on_a_long_run_answers_within_the_bound_and_still_happ
 }
 
 #[tokio::test]
-async fn a_model_of_low_cpu_priority_loads_for_it_and_runs_on_a_thread_of_lower_priority() {
+async fn a_model_of_low_cpu_priority_loads_for_it_and_runs_on_an_idle_class_thread() {
     let s = setup_with(&["long", "short"], KeepAlive::Forever, |p| p.low_cpu_priority = p.name == "long");
     // The blocking pool's threads have the priority the process started with.
     let normal = crate::memory::thread_nice().expect("this thread's nice value");
@@ -669,11 +672,12 @@ async fn a_model_of_low_cpu_priority_loads_for_it_and_runs_on_a_thread_of_lower_
         [("long".to_string(), true), ("short".to_string(), false)],
         "the backend is asked for low-priority runtime threads for the long model only"
     );
-    let low = Some(normal.max(crate::memory::low_priority_nice()));
+    let low = (Some(normal.max(crate::memory::low_priority_nice())), true);
+    let plain = (Some(normal), false);
     assert_eq!(
         *s.backend.run_nice.lock().unwrap(),
-        [low, Some(normal), low, Some(normal)],
-        "the long model's runs on threads at nice 10, the short one's as the process; the shared \
-         pool's threads are never lowered"
+        [low, plain, low, plain],
+        "the long model's runs on idle-class threads at nice 10, the short one's as the process; \
+         the shared pool's threads are never lowered"
     );
 }
