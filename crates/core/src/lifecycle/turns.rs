@@ -1,11 +1,12 @@
 //! Turns for the cores: long work runs in the idle scheduling class (see
 //! `memory::idle_thread`), so the kernel gives it only what short runs leave free —
 //! which, under a flood of short requests, is nothing. When runs of short models have
-//! kept going without a pause of [`SHORT_GAP`] for [`SHORT_STREAK`] while long work (a model of low CPU
-//! priority) is running, no further short run starts until those in flight end, and then
-//! none for [`LONG_TURN`]: the long work has every core for that long. Long work so gets
-//! at least about a tenth of the machine however many short requests come (the share
-//! nice 10 gave it), and a short request waits at most one turn beyond its queue.
+//! kept going, without a pause of [`SHORT_GAP`], for [`SHORT_STREAK`] while long work (a
+//! model of low CPU priority) is running, no further short run starts until those in
+//! flight end, and then none for [`LONG_TURN`]: the long work has every core for that
+//! long. Long work so gets at least about a tenth of the machine however many short
+//! requests come (the share nice 10 gave it), and a short request waits at most one turn
+//! beyond its queue.
 
 use std::time::{Duration, Instant};
 
