@@ -300,7 +300,8 @@ pub fn idle_thread() {
 }
 
 /// Whether the calling thread is in the idle scheduling class (see [`idle_thread`]).
-pub fn thread_is_idle() -> bool {
+#[cfg(test)]
+pub(crate) fn thread_is_idle() -> bool {
     #[cfg(target_os = "linux")]
     // SAFETY: sched_getscheduler with pid 0 only reads the calling thread's policy.
     return unsafe { libc::sched_getscheduler(0) } == libc::SCHED_IDLE;

@@ -162,7 +162,7 @@ fn accounted_memory_is_current_right_after_an_unload() {
     assert_eq!(post_auth(&s, "/v2/repository/models/b/unload", None).0, 200);
     let unloaded = accounted(&s).expect("accounted");
     assert!(unloaded + (80 << 20) < loaded, "accounted {loaded} loaded, {unloaded} right after the unload");
-    let metrics = client().get(s.url("/metrics")).send().expect("metrics").text().expect("text");
+    let metrics = s.metrics();
     let gauge = metrics
         .lines()
         .find_map(|l| l.strip_prefix("snooze_memory_bytes{device=\"cpu\",kind=\"accounted\"} "))

@@ -137,7 +137,7 @@ fn a_one_millisecond_model_is_served_while_a_transcription_and_a_long_document_r
 
 /// The value of the counter `name` (no labels) in the server's `/metrics`.
 fn counter(server: &Server, name: &str) -> f64 {
-    let metrics = client().get(server.url("/metrics")).send().unwrap().text().unwrap();
+    let metrics = server.metrics();
     metrics
         .lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())

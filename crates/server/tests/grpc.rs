@@ -178,7 +178,7 @@ fn hostile_messages_are_invalid_argument_and_change_nothing() {
     assert!(rt.block_on(c.model_infer(good(&r))).is_ok());
     assert_eq!(s.post("/v2/models/mlp/infer", &infer_body(&r)).0, 200);
     // Requests counted under their protocol.
-    let metrics = client().get(s.url("/metrics")).send().expect("metrics").text().expect("text");
+    let metrics = s.metrics();
     assert!(
         metrics.lines().any(|l| l.starts_with("snooze_requests_total{")
             && l.contains("protocol=\"grpc\"")

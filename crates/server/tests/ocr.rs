@@ -211,7 +211,7 @@ fn hostile_documents_get_a_clear_4xx_and_change_nothing() {
     let server = Server::start("ocr-hostile", &config(""), &["--max-request-size", "4MiB"]);
     // The pipeline's series exist from the first scrape, as the models' do (an alert on
     // its errors sees 0, not "no data"), and every series says what it is.
-    let metrics = client().get(server.url("/metrics")).send().unwrap().text().unwrap();
+    let metrics = server.metrics();
     for series in [
         "snooze_requests_total{model=\"ocr\",protocol=\"openai\",outcome=\"ok\"} 0",
         "snooze_requests_total{model=\"ocr\",protocol=\"openai\",outcome=\"invalid_input\"} 0",

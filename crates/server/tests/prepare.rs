@@ -52,6 +52,14 @@ fn prepare_cli(cfg: &Path, state: &Path) -> std::process::Output {
         .expect("run snooze prepare")
 }
 
+/// Runs `snooze prepare` as [`prepare_cli`] does, which must succeed; its standard output.
+fn prepared(cfg: &Path, state: &Path) -> String {
+    let out = prepare_cli(cfg, state);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    stdout
+}
+
 /// What `/admin/events` lists: the server's lifecycle events, oldest first.
 fn events(s: &Server) -> Vec<Value> {
     let (_, body) = s.get("/admin/events");
@@ -72,16 +80,10 @@ fn snooze_prepare_fills_a_fresh_state_dir_and_a_second_run_has_nothing_to_do() {
     let cfg = dir.join("snooze.toml");
     std::fs::write(&cfg, config("")).expect("config");
     let state = dir.join("state");
-    let run = || {
-        let out = prepare_cli(&cfg, &state);
-        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-        assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
-        stdout
-    };
-    let first = run();
+    let first = prepared(&cfg, &state);
     assert!(first.contains("small: prepared (mapped)") && first.contains("m1: prepared (mapped)"), "{first}");
     assert_eq!(converted(&state).len(), 2, "one ORT-format copy per model");
-    let second = run();
+    let second = prepared(&cfg, &state);
     assert!(
         second.contains("small: nothing to prepare") && second.contains("m1: nothing to prepare"),
         "{second}"
@@ -148,9 +150,7 @@ fn snooze_prepare_names_whisper_s_one_cached_form() {
     let cfg = dir.join("snooze.toml");
     let text = format!("[models.w]\npath = \"{}/whisper-tiny-en\"\n", models_dir().display());
     std::fs::write(&cfg, text).expect("config");
-    let out = prepare_cli(&cfg, &dir.join("state"));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = prepared(&cfg, &dir.join("state"));
     assert_eq!(stdout.matches("w: prepared").count(), 1, "{stdout}");
     assert!(stdout.contains("w: prepared (prepacked)"), "{stdout}");
     let _ = std::fs::remove_dir_all(&dir);
@@ -172,9 +172,7 @@ fn snooze_prepare_makes_no_prepacked_copy_of_a_model_that_runs_as_fast_mapped() 
     let dir = fresh_dir("auto-forms");
     let cfg = dir.join("snooze.toml");
     std::fs::write(&cfg, mlp_and_conv()).expect("config");
-    let out = prepare_cli(&cfg, &dir.join("state"));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = prepared(&cfg, &dir.join("state"));
     assert!(
         stdout.contains("mlp: prepared (mapped)") && !stdout.contains("mlp: prepared (prepacked)"),
         "{stdout}"

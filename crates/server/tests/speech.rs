@@ -270,7 +270,7 @@ fn kserve_bytes_audio_gives_the_openai_text() {
     ];
     let openai: Vec<String> = files.iter().map(|f| transcribe(&s.base, TINY, f, &[]).text()).collect();
     // Each transcription is one request's queue wait, however many slices it ran in.
-    let metrics = client().get(s.url("/metrics")).send().unwrap().text().unwrap();
+    let metrics = s.metrics();
     let waits = format!("snooze_queue_wait_seconds_count{{model=\"{TINY}\"}} ");
     let count =
         metrics.lines().find_map(|l| l.strip_prefix(waits.as_str())).unwrap_or_else(|| panic!("{metrics}"));

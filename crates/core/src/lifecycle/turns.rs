@@ -24,8 +24,6 @@ pub const SHORT_GAP: Duration = Duration::from_millis(10);
 /// Where the turns stand.
 #[derive(Debug, Default)]
 pub(super) struct Turns {
-    /// Runs of short models (not of low CPU priority) in flight.
-    short_running: u32,
     /// Since when short runs have been in flight with no pause of `SHORT_GAP` or more.
     short_since: Option<Instant>,
     /// When the last short run ended, while none runs.
@@ -45,34 +43,27 @@ impl Scheduler {
         if let Some(until) = self.turns.long_until.filter(|&u| now < u) {
             return Some(Some(until));
         }
-        let since = self.turns.short_since.filter(|_| self.turns.short_running > 0)?;
+        let since = self.turns.short_since.filter(|_| self.short_running() > 0)?;
         (now.saturating_duration_since(since) >= SHORT_STREAK).then_some(None)
     }
 
-    /// A run of `model` starts: a short one starts a streak, or goes on with one whose
-    /// last run ended less than `SHORT_GAP` ago.
+    /// A run of `model` started (counted in its slot): the first short one in flight
+    /// starts a streak, or goes on with one whose last run ended less than `SHORT_GAP` ago.
     pub(super) fn turn_run_started(&mut self, model: ModelId, now: Instant) {
-        if self.slots[model].policy.low_cpu_priority {
+        if self.slots[model].policy.low_cpu_priority || self.short_running() > 1 {
             return;
         }
         let t = &mut self.turns;
-        if t.short_running == 0 {
-            let paused = t.short_ended.take().is_none_or(|e| now.saturating_duration_since(e) >= SHORT_GAP);
-            if paused || t.short_since.is_none() {
-                t.short_since = Some(now);
-            }
+        let paused = t.short_ended.take().is_none_or(|e| now.saturating_duration_since(e) >= SHORT_GAP);
+        if paused || t.short_since.is_none() {
+            t.short_since = Some(now);
         }
-        t.short_running += 1;
     }
 
-    /// A run of `model` ended: when the last short run of a streak that owes long work
-    /// its turn ends, the turn begins.
+    /// A run of `model` ended (no longer counted in its slot): when the last short run of
+    /// a streak that owes long work its turn ends, the turn begins.
     pub(super) fn turn_run_ended(&mut self, model: ModelId, now: Instant) {
-        if self.slots[model].policy.low_cpu_priority {
-            return;
-        }
-        self.turns.short_running = self.turns.short_running.saturating_sub(1);
-        if self.turns.short_running > 0 {
+        if self.slots[model].policy.low_cpu_priority || self.short_running() > 0 {
             return;
         }
         self.turns.short_ended = Some(now);
@@ -87,5 +78,10 @@ impl Scheduler {
     /// Whether a run of a model of low CPU priority is in flight.
     fn long_running(&self) -> bool {
         self.slots.iter().any(|s| s.policy.low_cpu_priority && s.running > 0)
+    }
+
+    /// Runs of short models (not of low CPU priority) in flight.
+    fn short_running(&self) -> usize {
+        self.slots.iter().filter(|s| !s.policy.low_cpu_priority).map(|s| s.running as usize).sum()
     }
 }

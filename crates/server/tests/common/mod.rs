@@ -144,6 +144,11 @@ impl Server {
         (status, r.json().unwrap_or(Value::Null))
     }
 
+    /// `GET /metrics`: the Prometheus text.
+    pub fn metrics(&self) -> String {
+        client().get(self.url("/metrics")).send().expect("metrics").text().expect("metrics text")
+    }
+
     pub fn post(&self, path: &str, body: &Value) -> (u16, Value, Option<String>) {
         let r = self.authed(client().post(self.url(path))).json(body).send().expect("POST");
         let status = r.status().as_u16();
