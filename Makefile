@@ -157,7 +157,8 @@ bench-embeddings: prepare $(BENCH_PY)
 	cargo build --release --bin snooze
 	$(BENCH_PY) bench/embeddings.py
 
-# The OCR pipeline through SnoozeML vs rapidocr in-process (rapidocr's own deps: bench/.venv).
+# The OCR pipeline through SnoozeML vs rapidocr in-process (rapidocr's own deps: bench/.venv),
+# then where its time goes against the cores' arithmetic (bench/ocr_arith.py).
 BENCH_OCR := bench/.venv/.ocr-stamp
 $(BENCH_OCR): bench/requirements-ocr.txt $(BENCH_PY)
 	bench/.venv/bin/pip install --quiet -r bench/requirements-ocr.txt
@@ -166,6 +167,7 @@ $(BENCH_OCR): bench/requirements-ocr.txt $(BENCH_PY)
 bench-ocr: prepare $(BENCH_OCR)
 	cargo build --release --bin snooze
 	$(BENCH_PY) bench/ocr.py
+	$(BENCH_PY) bench/ocr_arith.py --server
 
 # Whisper through SnoozeML vs faster-whisper in-process (faster-whisper: bench/.venv, no torch).
 BENCH_SPEECH := bench/.venv/.speech-stamp
