@@ -73,15 +73,20 @@ REFERENCE = os.path.join(ROOT, "tests", "fixtures", "ocr_reference.json")
 MODES = ("service", "kserve", "pdf")
 
 
-def rapidocr_engine():
+def rapidocr_engine(threads=None):
+    """rapidocr on the server's three model files; `threads`: its sessions' intra-op
+    threads (None: rapidocr's default, ONNX Runtime's)."""
     from rapidocr import RapidOCR
 
-    return RapidOCR(params={
+    params = {
         "Global.log_level": "warning",
         "Det.model_path": os.path.join(MODELS, oc.DET, "model.onnx"),
         "Cls.model_path": os.path.join(MODELS, oc.CLS, "model.onnx"),
         "Rec.model_path": os.path.join(MODELS, oc.REC, "model.onnx"),
-    })
+    }
+    if threads is not None:
+        params["EngineConfig.onnxruntime.intra_op_num_threads"] = threads
+    return RapidOCR(params=params)
 
 
 def rapidocr_text(engine, img):
@@ -139,6 +144,10 @@ class OcrClient:
 
     def read(self, body, content_type):
         """The text of the page the multipart `body` uploads, lines joined by newlines."""
+        return "\n".join(p["text"] for p in self.post(body, content_type)["pages"])
+
+    def post(self, body, content_type):
+        """The server's answer (parsed JSON) to the multipart `body`."""
         for attempt in (0, 1):
             if self.conn is None:
                 self.conn = http.client.HTTPConnection(self.host, timeout=300)
@@ -154,7 +163,7 @@ class OcrClient:
                 continue
             if r.status != 200:
                 raise RuntimeError(f"POST /v1/ocr: {r.status} {data.decode(errors='replace')}")
-            return "\n".join(p["text"] for p in json.loads(data)["pages"])
+            return json.loads(data)
 
 
 def multipart(name, data):

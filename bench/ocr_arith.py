@@ -30,8 +30,6 @@ reorders, no activation passes) — the ceiling for any runtime doing the same a
 import argparse
 import collections
 import functools
-import glob
-import http.client
 import json
 import math
 import os
@@ -41,9 +39,12 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-PAGES = os.path.join(ROOT, "tests", "fixtures", "ocr_pages")
-MODELS = os.path.join(ROOT, "models")
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+
+import ocr as bench_ocr  # noqa: E402
+from embeddings import MODELS, start_server, stop_server  # noqa: E402
+
 STAGES = {"ocr-det": "det", "ocr-cls": "cls", "ocr-rec": "rec"}
 GEMM_OPS = ("Conv", "ConvTranspose", "MatMul", "FusedMatMul", "Gemm")
 
@@ -80,7 +81,6 @@ class Rapidocr:
 
     def __init__(self, threads):
         import onnxruntime as ort
-        from rapidocr import RapidOCR
 
         self.calls = None
         run = ort.InferenceSession.run
@@ -95,10 +95,7 @@ class Rapidocr:
             return out
 
         ort.InferenceSession.run = recorded  # this process runs no other sessions meanwhile
-        params = {"Global.log_level": "warning", "EngineConfig.onnxruntime.intra_op_num_threads": threads}
-        params.update({f"{s.capitalize()}.model_path": os.path.join(MODELS, m, "model.onnx")
-                       for m, s in STAGES.items()})
-        self.engine = RapidOCR(params=params)
+        self.engine = bench_ocr.rapidocr_engine(threads)
 
     def read(self, pages):
         """Seconds to read every page once, and the pass's calls."""
@@ -182,27 +179,16 @@ class Server:
     """target/release/snooze serving bench/ocr.py's pipeline; `read` is one client's pass."""
 
     def __init__(self, pages):
-        sys.path.insert(0, HERE)
-        sys.path.insert(0, os.path.join(ROOT, "examples"))
-        import ocr as bench_ocr
-        from embeddings import start_server, stop_server
-
-        self.stop = stop_server
         self.proc, base = start_server(bench_ocr.server_config())
-        self.conn = http.client.HTTPConnection(base.split("://", 1)[1], timeout=300)
+        self.client = bench_ocr.OcrClient(base)
         self.bodies = [bench_ocr.multipart(n, d) for n, d in pages.items()]
 
     def read(self):
         """Seconds to read every page once (`POST /v1/ocr`), and seconds per stage as the
         answers' usage reports them."""
         stages, t = collections.Counter(), time.perf_counter()
-        for body, ctype in self.bodies:
-            self.conn.request("POST", "/v1/ocr", body=body, headers={"Content-Type": ctype})
-            r = self.conn.getresponse()
-            data = r.read()
-            if r.status != 200:
-                sys.exit(f"POST /v1/ocr: {r.status} {data.decode(errors='replace')}")
-            usage = json.loads(data)["usage"]
+        for body in self.bodies:
+            usage = self.client.post(*body)["usage"]
             for s in STAGES.values():
                 stages[s] += usage[f"{s}_ms"] / 1e3
         return time.perf_counter() - t, stages
@@ -214,18 +200,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every contender (default 3)")
     ap.add_argument("--server", action="store_true", help="also read the pages through the release server")
     args = ap.parse_args()
-    pages = {}
-    for path in sorted(glob.glob(os.path.join(PAGES, "*"))):
-        if path.rsplit(".", 1)[-1].lower() in ("png", "jpg", "jpeg"):
-            with open(path, "rb") as f:
-                pages[os.path.basename(path)] = f.read()
+    pages = {name: data for name, data, _ in bench_ocr.fixture_pages()}
 
     peak = sgemm_peak(args.threads)
     rapidocr = Rapidocr(args.threads)
     rapidocr.read(pages)  # warm-up
     _, calls = rapidocr.read(pages)
     shapes = {stage: [c[1] for c in calls if c[0] == stage] for stage in STAGES.values()}
-    flops = {stage: sum(conv_flops(stage_path(stage), s) for s in shapes[stage]) for stage in STAGES.values()}
+    conv = {stage: sum(conv_flops(stage_path(stage), s) for s in shapes[stage]) for stage in STAGES.values()}
+    matmul = {}  # from the replay's profile: the same shapes, so the same count every round
     server = Server(pages) if args.server else None
     # Rounds alternate the contenders, so the machine's drift hits all of them alike.
     rounds = collections.defaultdict(list)
@@ -241,7 +224,7 @@ def main():
                 rounds[f"gemm {stage}"].append(gemm)
                 rounds[f"rest {stage}"].append(rest)
                 rounds[f"others {stage}"].append(others)
-                flops[f"mm {stage}"] = mm_flops
+                matmul[stage] = mm_flops
             if server:
                 wall, stages = server.read()
                 rounds["server"].append(wall)
@@ -249,7 +232,7 @@ def main():
                     rounds[f"server {stage}"].append(stages[stage])
     finally:
         if server:
-            server.stop(server.proc)
+            stop_server(server.proc)
 
     def med(key):
         return statistics.median(rounds[key])
@@ -261,7 +244,7 @@ def main():
           f"{'their GFLOP/s':>14} {'other ops s':>12} {'server s':>9}  largest other ops")
     total_flops = kernels = 0.0
     for stage in STAGES.values():
-        gflop = (flops[stage] + flops[f"mm {stage}"]) / 1e9
+        gflop = (conv[stage] + matmul[stage]) / 1e9
         total_flops += gflop
         kernels += med(f"gemm {stage}") + med(f"rest {stage}")
         others = sum(rounds[f"others {stage}"], collections.Counter())

@@ -12,6 +12,7 @@ use crate::events::metric;
 use super::{
     queue::{Priority, Queued, Retry},
     refusal,
+    turns::LongTurn,
     working::RunHold,
     Action, ModelId, RequestId, Resume, RunOutcome, Scheduler, SlotState, UnloadReason,
 };
@@ -70,8 +71,8 @@ impl Scheduler {
             }
             // Short runs that kept every core from long work for a while let it have a
             // turn (see `turns`).
-            if let Some(until) = self.waits_for_long_turn(model, now) {
-                if let Some(until) = until {
+            if let Some(turn) = self.waits_for_long_turn(model, now) {
+                if let LongTurn::Until(until) = turn {
                     self.wake_by(until);
                 }
                 return;

@@ -32,19 +32,26 @@ pub(super) struct Turns {
     long_until: Option<Instant>,
 }
 
+/// Why a short run waits for long work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum LongTurn {
+    /// Its turn is owed: it begins when the short runs in flight end.
+    Owed,
+    /// Its turn goes on until then.
+    Until(Instant),
+}
+
 impl Scheduler {
-    /// Whether a run of `model` must wait for long work's turn; `Some(until)` when the
-    /// turn is going on (wake then), `Some(None)` when it is owed and starts once the
-    /// short runs in flight end.
-    pub(super) fn waits_for_long_turn(&self, model: ModelId, now: Instant) -> Option<Option<Instant>> {
+    /// Whether a run of `model` must wait for long work's turn, and until when.
+    pub(super) fn waits_for_long_turn(&self, model: ModelId, now: Instant) -> Option<LongTurn> {
         if self.slots[model].policy.low_cpu_priority || !self.long_running() {
             return None;
         }
         if let Some(until) = self.turns.long_until.filter(|&u| now < u) {
-            return Some(Some(until));
+            return Some(LongTurn::Until(until));
         }
         let since = self.turns.short_since.filter(|_| self.short_running() > 0)?;
-        (now.saturating_duration_since(since) >= SHORT_STREAK).then_some(None)
+        (now.saturating_duration_since(since) >= SHORT_STREAK).then_some(LongTurn::Owed)
     }
 
     /// A run of `model` started (counted in its slot): the first short one in flight
